@@ -1,0 +1,95 @@
+"""Batched augmentation on whole batches on the device: one random draw per image, no loops
+over images, no worker processes.
+
+Each operation is a pure function of the images and the random numbers it is given, so
+tests can check it exactly; the samplers that draw those numbers are kept separate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reflect_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """Pad the two spatial dims by mirroring (without repeating the edge pixel)."""
+    return F.pad(x, (pad,) * 4, mode="reflect") if pad else x
+
+
+def crop(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Crop image i of ``x`` at (top[i], left[i]) to ``size``, for the whole batch at once."""
+    n, c, hp, wp = x.shape
+    h, w = size
+    rows = top[:, None] + torch.arange(h, device=x.device)            # (N, h)
+    cols = left[:, None] + torch.arange(w, device=x.device)           # (N, w)
+    x = x.gather(2, rows[:, None, :, None].expand(n, c, h, wp))
+    return x.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+
+
+def flip(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mirror left-right the images where ``mask`` is true."""
+    return torch.where(mask[:, None, None, None], x.flip(3), x)
+
+
+def alternating_flip_mask(first: torch.Tensor, epoch: int) -> torch.Tensor:
+    """Alternating flip: each image gets a random flip on epoch 0 and the opposite on each
+    following epoch, so it is seen mirrored on exactly every other epoch (airbench, 2024)."""
+    return first ^ bool(epoch % 2)
+
+
+def cutout(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero a ``size`` x ``size`` square at (top[i], left[i]) in image i (clipped at the border).
+
+    Zero is the mean colour once images are normalised (DeVries & Taylor, 2017)."""
+    h, w = x.shape[2:]
+    ys = torch.arange(h, device=x.device)[None, :]
+    xs = torch.arange(w, device=x.device)[None, :]
+    in_rows = (ys >= top[:, None]) & (ys < top[:, None] + size)       # (N, H)
+    in_cols = (xs >= left[:, None]) & (xs < left[:, None] + size)     # (N, W)
+    hole = in_rows[:, None, :, None] & in_cols[:, None, None, :]
+    return x.masked_fill(hole, 0)
+
+
+class BatchAugment:
+    """Draws the random numbers for one epoch at once and applies crop / flip / cutout.
+
+    ``x`` handed to :meth:`__call__` is already reflect-padded by ``translate`` pixels (done
+    once for the whole set), so a random crop is a random translation.
+    """
+
+    def __init__(self, n: int, image_size: tuple[int, int], translate: int, flip: str,
+                 cutout_size: int, generator: torch.Generator, device: torch.device):
+        self.n, self.size, self.translate = n, image_size, translate
+        self.flip_mode, self.cutout_size = flip, cutout_size
+        self.gen, self.device = generator, device
+        self.first_flip = self._bits() if flip == "alternating" else None
+
+    def _bits(self) -> torch.Tensor:
+        return torch.rand(self.n, generator=self.gen, device=self.device) < 0.5
+
+    def _ints(self, high: int) -> torch.Tensor:
+        return torch.randint(0, high, (self.n,), generator=self.gen, device=self.device)
+
+    def draw(self, epoch: int) -> dict[str, torch.Tensor]:
+        """Per-image random numbers for one epoch, indexed by image id."""
+        r = {}
+        if self.translate:
+            r["top"], r["left"] = self._ints(2 * self.translate + 1), self._ints(2 * self.translate + 1)
+        if self.flip_mode == "random":
+            r["flip"] = self._bits()
+        elif self.flip_mode == "alternating":
+            r["flip"] = alternating_flip_mask(self.first_flip, epoch)
+        if self.cutout_size:
+            h, w = self.size
+            half = self.cutout_size // 2
+            r["cut_top"] = self._ints(h) - half
+            r["cut_left"] = self._ints(w) - half
+        return r
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "top" in r:
+            x = crop(x, r["top"][idx], r["left"][idx], self.size)
+        if "flip" in r:
+            x = flip(x, r["flip"][idx])
+        if "cut_top" in r:
+            x = cutout(x, r["cut_top"][idx], r["cut_left"][idx], self.cutout_size)
+        return x

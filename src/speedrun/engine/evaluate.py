@@ -1,0 +1,62 @@
+"""Evaluation with test-time augmentation (TTA): the logits of several views of each test
+image, averaged with fixed weights. 'flip' averages the image and its mirror (Page, 2018);
+'flip_translate' adds both of those shifted one pixel up-left and down-right (airbench)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _shift(dy: int, dx: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Translate by (dy, dx) pixels, filling the border by reflection."""
+    def view(x):
+        h, w = x.shape[2:]
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        return padded[:, :, 1 - dy:1 - dy + h, 1 - dx:1 - dx + w]
+    return view
+
+
+_identity = lambda x: x
+_mirror = lambda x: x.flip(3)
+_compose = lambda f, g: (lambda x: g(f(x)))
+
+# (weight, view) pairs; the first view is always the plain image
+TTA_VIEWS: dict[str, list[tuple[float, Callable]]] = {
+    "none": [(1.0, _identity)],
+    "flip": [(0.5, _identity), (0.5, _mirror)],
+    "flip_translate": [(0.25, _identity), (0.25, _mirror),
+                       (0.125, _shift(1, 1)), (0.125, _compose(_shift(1, 1), _mirror)),
+                       (0.125, _shift(-1, -1)), (0.125, _compose(_shift(-1, -1), _mirror))],
+}
+
+
+def tta_logits(model: nn.Module, x: torch.Tensor, tta: str,
+               memory_format=torch.contiguous_format) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean of the views' logits, logits of the plain view) for one batch."""
+    total, plain = None, None
+    for weight, view in TTA_VIEWS[tta]:
+        logits = model(view(x).contiguous(memory_format=memory_format)).float()
+        plain = logits if plain is None else plain
+        total = weight * logits if total is None else total + weight * logits
+    return total, plain
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tta: str, batch_size: int,
+             runtime=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Correct-prediction counts (with TTA, plain view) as device tensors: no host sync."""
+    memory_format = runtime.memory_format if runtime else torch.contiguous_format
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(2, dtype=torch.int64, device=x.device)
+    with runtime.autocast() if runtime else contextlib.nullcontext():
+        for i in range(0, len(x), batch_size):
+            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+            total, plain = tta_logits(model, xb, tta, memory_format)
+            correct += torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
+    model.train(was_training)
+    return correct[0], correct[1]

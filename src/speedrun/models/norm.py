@@ -1,0 +1,52 @@
+"""Batch norm with the options of the speed-run recipes."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..recipe import NormConfig
+
+
+class BatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d with ghost batches, a frozen scale and fp32 compute.
+
+    - ghost_batch: in training, normalise each sub-batch of this many images with its own
+      statistics (Hoffer et al., 2017), a regulariser that Page's ResNet-9 uses at 32.
+    - scale='frozen': the multiplicative weight stays at 1 and is not trained (Page, 2018).
+    - fp32: normalise in fp32 even when the network runs in bf16/fp16.
+    """
+
+    def __init__(self, channels: int, cfg: NormConfig):
+        super().__init__(channels, eps=cfg.eps, momentum=cfg.momentum)
+        self.ghost_batch = cfg.ghost_batch
+        self.fp32 = cfg.fp32
+        if cfg.scale == "frozen":
+            self.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.fp32:
+            x = x.float()
+        if self.training and self.ghost_batch and x.shape[0] > self.ghost_batch:
+            y = self._ghost(x)
+        else:
+            y = super().forward(x)
+        return y.to(dtype)
+
+    def _ghost(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        g = self.ghost_batch
+        if n % g:
+            raise ValueError(f"ghost batch norm: batch of {n} is not a multiple of ghost_batch={g}")
+        xs = x.reshape(n // g, g, c, h, w)
+        mean = xs.mean(dim=(1, 3, 4), keepdim=True)
+        var = xs.var(dim=(1, 3, 4), unbiased=False, keepdim=True)
+        y = (xs - mean) * torch.rsqrt(var + self.eps)
+        y = y * self.weight.view(1, 1, c, 1, 1) + self.bias.view(1, 1, c, 1, 1)
+        with torch.no_grad():
+            count = g * h * w
+            self.running_mean.lerp_(mean.mean(dim=0).flatten().to(self.running_mean.dtype), self.momentum)
+            unbiased = var.mean(dim=0).flatten() * (count / max(count - 1, 1))
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+            self.num_batches_tracked.add_(1)
+        return y.reshape(n, c, h, w)

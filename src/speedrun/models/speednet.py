@@ -1,0 +1,92 @@
+"""The speed-net family: small VGG/ResNet-like nets built for fast training on small images.
+
+Layout: [patch whitening] -> [1x1 stem] -> blocks -> global max pool -> linear -> scale.
+A block is conv -> max-pool -> BN -> act (pooling before the activation is cheaper and
+as good, Page 2018), then more conv-BN-act layers, then optionally a residual branch of
+two conv-BN-act layers added to its input (Page's ResNet-9). airbench94 is widths
+(64, 256, 256) with two convs per block, no residual; ResNet-9 is (128, 256, 512) with one
+conv per block and residual branches in blocks 1 and 3.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..recipe import SpeedNetConfig
+from .norm import BatchNorm
+from .whitening import PatchWhitening
+
+
+def activation(cfg: SpeedNetConfig) -> nn.Module:
+    if cfg.activation == "celu":
+        return nn.CELU(cfg.celu_alpha)
+    return nn.GELU() if cfg.activation == "gelu" else nn.ReLU()
+
+
+class Conv(nn.Conv2d):
+    """Bias-free convolution ('same' padding) with optional identity (Dirac) initialisation."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int = 3, identity_init: bool = False):
+        self.identity_init = identity_init
+        super().__init__(c_in, c_out, kernel, padding=kernel // 2, bias=False)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.identity_init:
+            # the first c_in filters pass their input through unchanged (airbench, 2024)
+            with torch.no_grad():
+                nn.init.dirac_(self.weight[: self.in_channels])
+
+
+class ConvBNAct(nn.Sequential):
+    def __init__(self, c_in: int, c_out: int, cfg: SpeedNetConfig, pool: bool = False, kernel: int = 3):
+        layers = [Conv(c_in, c_out, kernel, cfg.identity_init)]
+        if pool:
+            layers.append(nn.MaxPool2d(2))
+        layers += [BatchNorm(c_out, cfg.norm), activation(cfg)]
+        super().__init__(*layers)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int, cfg: SpeedNetConfig):
+        super().__init__()
+        self.branch = nn.Sequential(ConvBNAct(width, width, cfg), ConvBNAct(width, width, cfg))
+
+    def forward(self, x):
+        return x + self.branch(x)
+
+
+class SpeedNet(nn.Module):
+    def __init__(self, cfg: SpeedNetConfig, in_channels: int, num_classes: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = in_channels
+        self.whiten = None
+        if cfg.whiten.kernel:
+            w = cfg.whiten
+            self.whiten = PatchWhitening(c, w.kernel, w.eps, w.negate, w.padding)
+            layers.append(self.whiten)
+            c = self.whiten.out_channels
+            if w.activation:
+                layers.append(activation(cfg))
+        if cfg.stem_width:
+            layers.append(ConvBNAct(c, cfg.stem_width, cfg, kernel=1))
+            c = cfg.stem_width
+        n = len(cfg.widths)
+        convs = cfg.convs or [2] * n
+        residual = cfg.residual or [False] * n
+        for width, k, res in zip(cfg.widths, convs, residual):
+            block = [ConvBNAct(c, width, cfg, pool=True)]
+            block += [ConvBNAct(width, width, cfg) for _ in range(k - 1)]
+            if res:
+                block.append(Residual(width, cfg))
+            layers.append(nn.Sequential(*block))
+            c = width
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, num_classes, bias=False)
+        self.out_scale = cfg.out_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        x = torch.amax(x, dim=(2, 3))          # global max pool
+        return self.head(x) * self.out_scale

@@ -1,0 +1,7 @@
+"""Optimizer, parameter groups, schedules and weight averaging."""
+from .averaging import WeightAverage, build_averager
+from .params import build_optimizer, classify, set_step_hyperparams
+from .schedule import lr_multipliers, momenta
+
+__all__ = ["WeightAverage", "build_averager", "build_optimizer", "classify", "lr_multipliers",
+           "momenta", "set_step_hyperparams"]

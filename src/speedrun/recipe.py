@@ -1,0 +1,318 @@
+"""Recipes: a TOML file of named, validated fields that fully describe one training run.
+
+A recipe is loaded from a shipped name (``cifar10-94``) or a path, overridden with
+``--set key=value`` (dotted keys, TOML values), and validated by pydantic so that a bad
+value or an unknown field ends in one message naming the field.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import math
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the field or file."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------
+
+class DataConfig(Section):
+    dataset: Literal["cifar10", "cifar100", "fashion-mnist"]
+    batch_size: int = Field(gt=0, description="training examples per optimizer step")
+
+
+class AugmentConfig(Section):
+    flip: Literal["none", "random", "alternating"] = "random"
+    translate: int = Field(0, ge=0, le=16, description="random-crop shift in pixels (reflect padding)")
+    cutout: int = Field(0, ge=0, description="side of the square cut out of each image; 0 = off")
+
+
+class WhitenConfig(Section):
+    kernel: int = Field(0, ge=0, le=7, description="patch size of the frozen whitening layer; 0 = none")
+    eps: float = Field(5e-4, gt=0, description="added to eigenvalues before the inverse square root")
+    samples: int = Field(5000, gt=0, description="training images used to estimate the patch covariance")
+    negate: bool = Field(True, description="also emit each filter's negation (doubles the width)")
+    activation: bool = Field(True, description="apply the activation right after whitening")
+    padding: bool = Field(False, description="'same' padding (True) or valid convolution (False)")
+    train_bias_epochs: float = Field(0.0, ge=0, description="epochs the whitening bias is trained for")
+
+
+class NormConfig(Section):
+    ghost_batch: int = Field(0, ge=0, description="sub-batch size for ghost batch norm; 0 = whole batch")
+    scale: Literal["learned", "frozen"] = "learned"
+    momentum: float = Field(0.1, gt=0, le=1, description="weight of each new batch in running stats")
+    eps: float = Field(1e-5, gt=0)
+    fp32: bool = Field(True, description="compute batch norm in fp32 under reduced precision")
+
+
+class SpeedNetConfig(Section):
+    name: Literal["speednet"] = "speednet"
+    widths: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
+    convs: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="convolutions per block before any residual branch (default 2 each)")
+    residual: list[bool] | None = Field(None, description="add a two-conv residual branch per block")
+    stem_width: int = Field(0, ge=0, description="width of a 1x1 conv after whitening; 0 = none")
+    activation: Literal["relu", "celu", "gelu"] = "gelu"
+    celu_alpha: float = Field(0.3, gt=0)
+    out_scale: float = Field(1.0, gt=0, description="multiplier on the logits")
+    identity_init: bool = Field(False, description="Dirac-initialise the first in-channels of each conv")
+    whiten: WhitenConfig = WhitenConfig()
+    norm: NormConfig = NormConfig()
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        n = len(self.widths)
+        for field in ("convs", "residual"):
+            value = getattr(self, field)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{field} has {len(value)} entries but widths has {n}")
+        return self
+
+
+class ResNetConfig(Section):
+    name: Literal["resnet"] = "resnet"
+    depth: Literal[18, 34] = 18
+    preact: bool = Field(True, description="pre-activation blocks (BN-ReLU before each conv)")
+    width: int = Field(64, gt=0, description="channels of the first stage (doubled per stage)")
+    norm: NormConfig = NormConfig()
+
+
+ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig], Field(discriminator="name")]
+
+
+class OptimConfig(Section):
+    name: Literal["sgd"] = "sgd"
+    lr: float = Field(gt=0, description="momentum-normalised step size per ref_batch examples")
+    ref_batch: int = Field(gt=0, description="batch size that lr and weight_decay are stated for")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    weight_decay: float = Field(0.0, ge=0, description="decoupled decay per ref_batch examples at peak")
+    no_decay_bias_norm: bool = Field(False, description="exclude biases and norm parameters from decay")
+    norm_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for batch-norm biases")
+    whiten_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for the whitening bias")
+
+
+class PiecewiseSchedule(Section):
+    kind: Literal["piecewise"] = "piecewise"
+    knots: list[float] = Field(min_length=2, description="fractions of training, 0 to 1, increasing")
+    values: list[float] = Field(min_length=2, description="LR multiplier at each knot")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if len(self.knots) != len(self.values):
+            raise ValueError(f"knots has {len(self.knots)} entries but values has {len(self.values)}")
+        if self.knots[0] != 0 or self.knots[-1] != 1:
+            raise ValueError("knots must start at 0 and end at 1")
+        if any(b <= a for a, b in zip(self.knots, self.knots[1:])):
+            raise ValueError("knots must be strictly increasing")
+        if any(v < 0 for v in self.values):
+            raise ValueError("values must be >= 0")
+        return self
+
+
+class OneCycleSchedule(Section):
+    kind: Literal["onecycle"] = "onecycle"
+    peak_at: float = Field(0.3, gt=0, lt=1, description="fraction of training at which LR peaks")
+    start: float = Field(0.04, ge=0, description="LR multiplier at the start")
+    end: float = Field(0.0, ge=0, description="LR multiplier at the end")
+    momentum_low: float | None = Field(
+        None, ge=0, lt=1, description="momentum at the LR peak (cycled inversely to the LR); None = fixed")
+
+
+ScheduleConfig = Annotated[Union[PiecewiseSchedule, OneCycleSchedule], Field(discriminator="kind")]
+
+
+class AveragingConfig(Section):
+    kind: Literal["none", "ema", "lookahead"] = "none"
+    every: int = Field(5, ge=1, description="optimizer steps between updates")
+    decay: float = Field(0.95, ge=0, lt=1, description="EMA decay per update, or lookahead's final decay")
+    power: float = Field(3.0, ge=0, description="lookahead decay ramps as decay * (step/total)**power")
+
+
+class TrainConfig(Section):
+    epochs: float = Field(gt=0, le=10_000)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    seed: int = Field(0, ge=0)
+
+
+class EvalConfig(Section):
+    tta: Literal["none", "flip", "flip_translate"] = "none"
+    every: int = Field(1, ge=0, description="epochs between monitoring evaluations; 0 = final only")
+    batch_size: int = Field(1000, gt=0)
+
+
+class RuntimeConfig(Section):
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
+    channels_last: Literal["auto", "on", "off"] = "auto"
+
+
+class Recipe(Section):
+    name: str
+    description: str = ""
+    target: float = Field(0.9, gt=0, le=1, description="test accuracy the recipe aims for")
+    data: DataConfig
+    augment: AugmentConfig = AugmentConfig()
+    model: ModelConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    averaging: AveragingConfig = AveragingConfig()
+    train: TrainConfig
+    eval: EvalConfig = EvalConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        gb = self.model.norm.ghost_batch
+        if gb and self.data.batch_size % gb:
+            raise ValueError(
+                f"model.norm.ghost_batch={gb} must divide data.batch_size={self.data.batch_size}")
+        return self
+
+    # -- serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def digest(self) -> str:
+        """A short hash of the resolved recipe, to tell runs of different recipes apart."""
+        return hashlib.sha256(self.to_toml().encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+# ------------------------------------------------------------------------------------------
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name -> path of every recipe shipped in the package."""
+    folder = resources.files("speedrun") / "recipes"
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".toml")}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=0.5' -> (['optim', 'lr'], 0.5). Values are TOML; bare words are strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise RecipeError(f"--set expects key=value, got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {text}: '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
+    shipped = shipped_recipes()
+    path = Path(name_or_path)
+    if name_or_path in shipped:
+        path = shipped[name_or_path]
+    elif not path.is_file():
+        hint = difflib.get_close_matches(name_or_path, shipped, n=1)
+        raise RecipeError(
+            f"no recipe named {name_or_path!r} and no such file"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" Shipped recipes: {', '.join(sorted(shipped))}.")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeError(f"{path}: not valid TOML: {err}") from None
+    return recipe_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+
+
+def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise RecipeError(describe_errors(err, source)) from None
+
+
+def _section_model(raw_loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the field at ``raw_loc`` (for 'did you mean' hints).
+
+    ``raw_loc`` is pydantic's location, where a discriminated union adds its tag
+    ('speednet', 'piecewise', ...) after the field name; the tag picks the member.
+    """
+    model: type[BaseModel] = Recipe
+    parts = list(raw_loc[:-1])
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
+        if field is None:
+            return None
+        options = getattr(field.annotation, "__args__", (field.annotation,))
+        nested = [o for o in options if isinstance(o, type) and issubclass(o, BaseModel)]
+        if not nested:
+            return None
+        if len(nested) > 1 and parts and parts[0] in _TAGS:
+            tag = parts.pop(0)
+            nested = [o for o in nested if tag in (o.model_fields.get("name") or o.model_fields.get("kind")).annotation.__args__]
+        model = nested[0]
+    return model
+
+
+def describe_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        # discriminated unions insert the tag ('speednet', 'piecewise') into the location
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in _TAGS))
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner = _section_model(tuple(e["loc"]))
+            known = sorted(owner.model_fields) if owner else []
+            hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = f"unknown recipe field '{field}'"
+            msg += f"; did you mean '{'.'.join(map(str, loc[:-1] + (hint[0],)))}'?" if hint else ""
+            if known:
+                msg += f" (fields here: {', '.join(known)})"
+        elif e["type"] == "missing":
+            msg = f"recipe field '{field}' is required but missing"
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = f"bad recipe value for '{field}'{shown}: {e['msg']}"
+        lines.append(msg)
+    return f"{source}: " + "; ".join(lines)
+
+
+_TAGS = {"speednet", "resnet", "piecewise", "onecycle"}
+
+
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    """Training drops the last partial batch (batch-norm statistics need full batches)."""
+    if n_train < batch_size:
+        raise RecipeError(
+            f"data.batch_size={batch_size} is larger than the training set ({n_train} images)")
+    return n_train // batch_size
+
+
+def total_steps(recipe: Recipe, n_train: int) -> int:
+    return max(1, math.ceil(recipe.train.epochs * steps_per_epoch(n_train, recipe.data.batch_size)))

@@ -1,0 +1,1 @@
+"""Run records and environment descriptions."""

@@ -1,0 +1,51 @@
+"""What a run ran on and from: device, software, source commit."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..engine.runtime import cpu_name
+
+SOURCE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=SOURCE_DIR, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state() -> dict:
+    """Commit of the speedrun source tree and whether it had uncommitted changes
+    (None where speedrun is not installed from a git checkout)."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = None
+    if commit:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def environment() -> dict:
+    env = {
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_name(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    if torch.cuda.is_available():
+        env["gpu_name"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+    env.update(git_state())
+    return env

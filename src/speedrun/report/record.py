@@ -1,0 +1,98 @@
+"""A run's folder: config.toml, metrics.jsonl, summary.json and the final weights.
+
+Every file is written whole to a temporary name and renamed into place, so a crash never
+leaves a half-written record; an existing run in the folder is never overwritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _publish(tmp: str, path: Path) -> None:
+    """Give the finished temporary file normal permissions and move it into place."""
+    os.chmod(tmp, 0o666 & ~_UMASK)
+    os.replace(tmp, path)
+
+
+class RunFolderError(RuntimeError):
+    pass
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_torch_save(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        _publish(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = root / f"{recipe_name}-{stamp}"
+    i = 1
+    while path.exists():
+        i += 1
+        path = root / f"{recipe_name}-{stamp}-{i}"
+    return path
+
+
+class RunRecord:
+    """Writes one run's files into ``folder``."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        if (self.folder / "summary.json").exists() or (self.folder / "metrics.jsonl").exists():
+            raise RunFolderError(f"{self.folder} already holds a run; pass another --out folder "
+                                 "(or remove that one) so that no record is overwritten")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._metrics: list[str] = []
+
+    def write_config(self, toml_text: str) -> None:
+        atomic_write_text(self.folder / "config.toml", toml_text)
+
+    def append_metrics(self, row: dict) -> None:
+        self._metrics.append(json.dumps(row))
+        atomic_write_text(self.folder / "metrics.jsonl", "\n".join(self._metrics) + "\n")
+
+    def write_summary(self, summary: dict) -> None:
+        atomic_write_json(self.folder / "summary.json", summary)
+
+    def save_weights(self, state_dict: dict, name: str = "model.pt") -> Path:
+        path = self.folder / name
+        atomic_torch_save(path, {k: v.detach().cpu() for k, v in state_dict.items()})
+        return path
