@@ -67,6 +67,9 @@ def safe_extract(archive: Path, target: Path) -> list[Path]:
             members = tar.getmembers()
             for m in members:
                 try:
+                    if os.path.isabs(m.name) or m.name.startswith(("/", "\\")):
+                        # the data filter would strip the slash; an absolute name is refused outright
+                        raise tarfile.AbsolutePathError(m)
                     tarfile.data_filter(m, str(target))
                 except tarfile.FilterError as err:
                     raise DataError(f"{archive}: refusing to extract member {m.name!r}: {err}. "

@@ -23,14 +23,21 @@ def whiten_patches(images: torch.Tensor, kernel: int, eps: float) -> tuple[torch
     Filters are the covariance eigenvectors scaled by 1/sqrt(eigenvalue + eps), ordered from
     the largest eigenvalue down."""
     c = images.shape[1]
-    patches = image_patches(images.float(), kernel)
-    mean = patches.mean(dim=0)
-    centred = patches - mean
-    cov = (centred.T @ centred).double() / patches.shape[0]
+    d = c * kernel * kernel
+    total = torch.zeros(d, dtype=torch.float64, device=images.device)
+    moment = torch.zeros(d, d, dtype=torch.float64, device=images.device)
+    count = 0
+    for chunk in images.split(1024):          # float64 sums, in chunks to bound memory
+        p = image_patches(chunk.double(), kernel)
+        total += p.sum(dim=0)
+        moment += p.T @ p
+        count += p.shape[0]
+    mean = total / count
+    cov = moment / count - torch.outer(mean, mean)
     eigvals, eigvecs = torch.linalg.eigh(cov)                     # ascending
     eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
     filters = (eigvecs.T / torch.sqrt(eigvals.clamp_min(0) + eps)[:, None]).float()
-    bias = -(filters @ mean)
+    bias = -(filters @ mean.float())
     return filters.reshape(-1, c, kernel, kernel), bias
 
 

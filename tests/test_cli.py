@@ -1,0 +1,122 @@
+"""End to end: the real command, real data, real files."""
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+from speedrun.models import build_model
+from speedrun.recipe import load_recipe
+
+QUICK = ["--set", "train.epochs=0.25", "--set", "model.widths=[16,32,32]", "--set", "eval.tta=flip"]
+
+
+def speedrun(*args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "speedrun", *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"speedrun {args} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("run") / "fm"
+    proc = speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--device", "cpu", "--seed", 3,
+                    "--out", out, *QUICK)
+    return out, proc
+
+
+def test_train_writes_the_run_record(quick_run):
+    out, proc = quick_run
+    assert "test accuracy" in proc.stdout and "train seconds" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("recipe", "dataset", "test_acc", "test_acc_no_tta", "epochs", "train_seconds",
+                "compile_seconds", "wall_seconds", "device", "device_name", "torch_version",
+                "git_commit", "seed"):
+        assert key in summary, key
+    assert summary["recipe"] == "fashion-mnist" and summary["dataset"] == "fashion-mnist"
+    assert summary["seed"] == 3 and summary["device"] == "cpu"
+    assert summary["epochs"] == pytest.approx(0.25, abs=1 / 117)   # whole steps: 30 of 117 per epoch
+    assert 0 <= summary["test_acc"] <= 1 and summary["torch_version"] == torch.__version__
+    assert summary["compile_seconds"] == 0 and 0 < summary["train_seconds"] < summary["wall_seconds"]
+    # a quarter epoch of a small net already classifies most of Fashion-MNIST
+    assert summary["test_acc"] > 0.75 and summary["test_acc_no_tta"] > 0.7
+
+
+def test_config_is_the_fully_resolved_recipe(quick_run):
+    out, _ = quick_run
+    config = tomllib.loads((out / "config.toml").read_text())
+    assert config["train"]["epochs"] == 0.25 and config["train"]["seed"] == 3
+    assert config["model"]["widths"] == [16, 32, 32]
+    assert config["runtime"] == {"precision": "auto", "compile": "auto", "channels_last": "auto"}
+    assert load_recipe(str(out / "config.toml")).eval.tta == "flip"
+
+
+def test_metrics_have_one_line_per_epoch(quick_run):
+    out, _ = quick_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert rows[0]["test_acc"] == summary["test_acc_no_tta"]
+
+
+def test_weights_load_with_weights_only_and_reproduce_the_accuracy(quick_run, fashion):
+    out, _ = quick_run
+    state = torch.load(out / "model.pt", weights_only=True)
+    recipe = load_recipe(str(out / "config.toml"))
+    net = build_model(recipe.model, 1, 10)
+    net.load_state_dict(state)
+    net.eval()
+    x = fashion.test_x.float()
+    x = (x - fashion.train_x.float().mean()) / fashion.train_x.float().std()
+    with torch.no_grad():
+        acc = (net(x).argmax(1) == fashion.test_y).float().mean().item()
+    summary = json.loads((out / "summary.json").read_text())
+    assert acc == pytest.approx(summary["test_acc_no_tta"], abs=2e-3)
+
+
+def test_existing_run_folder_is_not_overwritten(quick_run, data_dir):
+    out, _ = quick_run
+    before = (out / "summary.json").read_bytes()
+    proc = speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", out, *QUICK, check=False)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (out / "summary.json").read_bytes() == before
+
+
+def test_bad_recipe_value_exits_with_the_field_named(tmp_path, data_dir):
+    proc = speedrun("train", "fashion-mnist", "--set", "optim.momentum=1.5", "--out", tmp_path / "x", check=False)
+    assert proc.returncode == 2
+    assert "'optim.momentum'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_data_exits_with_where_it_looked(tmp_path):
+    env = {"SPEEDRUN_DATA": str(tmp_path / "nowhere"), "HOME": str(tmp_path), "SPEEDRUN_MIRROR": "http://127.0.0.1:9/"}
+    proc = speedrun("train", "fashion-mnist", "--out", tmp_path / "r", env=env, check=False)
+    assert proc.returncode == 1 and "not found. Looked in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_weights(tmp_path, data_dir):
+    out = tmp_path / "nan"
+    proc = speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", out, "--set", "optim.lr=1e30",
+                    "--set", "train.epochs=0.1", "--set", "model.widths=[8,8,8]", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "at step " in proc.stderr and "last good weights" in proc.stderr
+    assert not (out / "summary.json").exists()
+    state = torch.load(out / "last_good.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_recipes_lists_every_shipped_recipe():
+    proc = speedrun("recipes")
+    for name in ("cifar10-94", "page-resnet9", "dawnbench-resnet18", "fashion-mnist"):
+        assert name in proc.stdout
+
+
+def test_version_and_console_script():
+    assert speedrun("--version").stdout.startswith("speedrun ")
