@@ -9,46 +9,76 @@ from pathlib import Path
 from . import __version__
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train one recipe once and write a run record")
+def _recipe_options(p, out_help: str) -> None:
     p.add_argument("recipe", help="a shipped recipe name (see `speedrun recipes`) or a .toml path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set optim.lr=0.5 (repeatable)")
     p.add_argument("--data-dir", help="folder holding the dataset (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--seed", type=int, help="seed for initialisation and data order (train.seed)")
-    p.add_argument("--out", type=Path, help="run folder (default: a new folder under runs/)")
+    p.add_argument("--seed", type=int, help="seed (train.seed); bench and ablate use seed, seed+1, ...")
+    if out_help:
+        p.add_argument("--out", type=Path, help=out_help)
 
 
-def cmd_recipes(args) -> int:
-    from .recipe import load_recipe, shipped_recipes
-    from .report.console import Console, Table
-    table = Table("recipe", "dataset", "target", "description")
-    for name in sorted(shipped_recipes()):
-        r = load_recipe(name)
-        table.add_row(name, r.data.dataset, f"{r.target:.1%}", r.description)
-    Console().print(table)
-    return 0
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speedrun", description="Train image classifiers to a target "
+                                     "accuracy in the least time, and measure it honestly.")
+    parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("train", help="train one recipe once and write a run record")
+    _recipe_options(p, "run folder (default: a new folder under runs/)")
 
-def cmd_train(args) -> int:
-    from .train import train_command
-    return train_command(args)
+    sub.add_parser("recipes", help="list the shipped recipes")
+
+    p = sub.add_parser("bench", help="N seeded runs in one process, with statistics (bench.json)")
+    _recipe_options(p, "folder for bench.json (default: a new folder under runs/)")
+    p.add_argument("--runs", type=int, required=True, help="number of runs")
+
+    p = sub.add_parser("compare", help="compare two bench records with Welch t-tests")
+    p.add_argument("a", help="A: bench.json or its folder")
+    p.add_argument("b", help="B: bench.json or its folder")
+    p.add_argument("--region", default="train+eval", help="timing region (train+eval, end_to_end, run_start_to_stop)")
+    p.add_argument("--alpha", type=float, default=0.05, help="significance level (default 0.05)")
+    p.add_argument("--json", help="also write the comparison to this JSON file")
+
+    p = sub.add_parser("ablate", help="benchmark the recipe with each trick turned off in turn")
+    _recipe_options(p, "folder for ablate.json and ablation.png (default: a new folder under runs/)")
+    p.add_argument("--runs", type=int, required=True, help="runs per variant")
+    p.add_argument("--tricks", help="comma-separated tricks to ablate (default: every trick the recipe uses)")
+    p.add_argument("--ladder", help="comma-separated tricks to add back one by one, in this order")
+    p.add_argument("--epochs-grid", help="fractions of the epochs to also run at, e.g. 0.6,0.8 "
+                   "(to interpolate the epochs needed to reach the target)")
+
+    p = sub.add_parser("flops", help="FLOPs per image and per run, peak, ideal time, data vs model time")
+    _recipe_options(p, "")
+    p.add_argument("--steps", type=int, default=10, help="training steps to time for the data/model split")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+
+    p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
+    p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    parser = argparse.ArgumentParser(prog="speedrun", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_train(sub)
-    sub.add_parser("recipes", help="list the shipped recipes")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.started = started
     from .errors import report_errors
     with report_errors() as status:
-        status.code = {"train": cmd_train, "recipes": cmd_recipes}[args.command](args)
+        status.code = dispatch(args)
     return status.code
+
+
+def dispatch(args) -> int:
+    if args.command == "train":
+        from .train import train_command
+        return train_command(args)
+    if args.command == "recipes":
+        from .train import recipes_command
+        return recipes_command(args)
+    from .bench import commands
+    return getattr(commands, f"{args.command}_command")(args)
 
 
 if __name__ == "__main__":

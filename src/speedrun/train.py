@@ -5,9 +5,10 @@ import time
 
 import torch
 
+from .bench import flops
 from .data import load_dataset
 from .engine.loop import NonFiniteLoss, RunResult, Session
-from .engine.runtime import pick_device, resolve_runtime
+from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import TrainingStopped
 from .recipe import Recipe, load_recipe
 from .report.console import TrainingProgress, print_table
@@ -19,6 +20,15 @@ def out_of_memory_message(recipe: Recipe, device) -> str:
     return (f"out of memory on {device} with data.batch_size={recipe.data.batch_size}; "
             "lower it with --set data.batch_size=N (optim.lr and optim.weight_decay are stated "
             "per optim.ref_batch examples, so the recipe's meaning is kept)")
+
+
+def flop_figures(recipe: Recipe, result: RunResult, session: Session) -> dict:
+    ds, rt = session.dataset, session.runtime
+    per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
+    total = flops.run_flops(recipe, per_image, result.steps * recipe.data.batch_size, len(ds.test_y))
+    eff = flops.efficiency(total["total_flops"], result.train_seconds, rt.device.type,
+                           device_name(rt.device), rt.precision)
+    return {**total, **eff}
 
 
 def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, wall: float) -> dict:
@@ -41,6 +51,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "monitor_seconds": result.monitor_seconds,
         "wall_seconds": wall,
         "seed": result.seed,
+        **flop_figures(recipe, result, session),
         **session.runtime.describe(),
         **env,
     }
@@ -57,7 +68,7 @@ def train_command(args) -> int:
     try:
         session = Session(recipe, dataset, runtime)
         with TrainingProgress(recipe.name) as progress:
-            result = session.run(progress=progress)
+            result = session.run(progress=progress, on_epoch=lambda rec: record.append_metrics(vars(rec)))
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")
         raise TrainingStopped(
@@ -65,8 +76,6 @@ def train_command(args) -> int:
             "Lower optim.lr, or check the data, then run again.") from None
     except torch.OutOfMemoryError:
         raise TrainingStopped(out_of_memory_message(recipe, runtime.device)) from None
-    for rec in result.history:
-        record.append_metrics(vars(rec))
     record.save_weights(result.state_dict)
     summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started)
     record.write_summary(summary)
@@ -81,4 +90,17 @@ def train_command(args) -> int:
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("record", str(record.folder)),
     ])
+    return 0
+
+
+def recipes_command(args) -> int:
+    from rich.table import Table
+
+    from .recipe import shipped_recipes
+    from .report.console import make_console
+    table = Table("recipe", "dataset", "target", "epochs", "description")
+    for name in sorted(shipped_recipes()):
+        r = load_recipe(name)
+        table.add_row(name, r.data.dataset, f"{r.target:.1%}", f"{r.train.epochs:g}", r.description)
+    make_console().print(table)
     return 0

@@ -72,13 +72,22 @@ def _snapshot(model: torch.nn.Module) -> dict:
 
 
 class Session:
-    def __init__(self, recipe: Recipe, dataset: ArrayDataset, runtime: Runtime):
+    """``warm_up``: run the warm-up even without compilation (benchmarks do, so that
+    one-time costs such as kernel selection stay out of the first timed run)."""
+
+    def __init__(self, recipe: Recipe, dataset: ArrayDataset, runtime: Runtime, warm_up: bool = False):
         self.recipe, self.dataset, self.runtime = recipe, dataset, runtime
         self.steps_per_epoch = steps_per_epoch(len(dataset.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(dataset.train_y))
         self.model = self._fresh_model(recipe.train.seed).to(runtime.device, memory_format=runtime.memory_format)
         self.forward = torch.compile(self.model, dynamic=False) if runtime.compile else self.model
-        self.compile_seconds = self._warm_up() if runtime.compile else 0.0
+        self.compile_seconds = self._warm_up() if (runtime.compile or warm_up) else 0.0
+        self._reset_for: int | None = None
+
+    def reset(self, seed: int) -> None:
+        """Re-initialise the model from ``seed`` (construction, then a copy onto the device)."""
+        self.model.load_state_dict(self._fresh_model(seed).state_dict())
+        self._reset_for = seed
 
     def _fresh_model(self, seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -113,12 +122,15 @@ class Session:
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------
-    def run(self, seed: int | None = None, progress=None) -> RunResult:
+    def run(self, seed: int | None = None, progress=None, on_epoch=None) -> RunResult:
+        """Train from a fresh initialisation; ``on_epoch(record)`` is called after each epoch."""
         r, rt = self.recipe, self.runtime
         seed = r.train.seed if seed is None else seed
         progress = progress or NullProgress()
         model, forward = self.model, self.forward
-        model.load_state_dict(self._fresh_model(seed).state_dict())
+        if self._reset_for != seed:
+            self.reset(seed)
+        self._reset_for = None
         spe, total = self.steps_per_epoch, self.total_steps
         n_epochs = math.ceil(total / spe)
         progress.start(total, n_epochs)
@@ -188,6 +200,8 @@ class Session:
             history.append(rec)
             if epoch + 1 < n_epochs:
                 progress.epoch(rec)
+                if on_epoch is not None:
+                    on_epoch(rec)
 
         # --- final evaluation, with the recipe's TTA --------------------------------------
         if averager is not None:
@@ -199,6 +213,47 @@ class Session:
         train_seconds = time.perf_counter() - t0 - paused
         history[-1].test_acc, history[-1].seconds = acc_plain, train_seconds
         progress.epoch(history[-1])
+        if on_epoch is not None:
+            on_epoch(history[-1])
         return RunResult(seed=seed, test_acc=acc, test_acc_no_tta=acc_plain, epochs=step / spe,
                          steps=step, train_seconds=train_seconds, monitor_seconds=paused,
                          history=history, state_dict=_snapshot(model))
+
+    def time_split(self, steps: int = 20, seed: int = 0) -> dict:
+        """Seconds per step spent producing batches (data) and training on them (model),
+        measured with a device sync between the two, on a throw-away copy of the run."""
+        r, rt = self.recipe, self.runtime
+        self.reset(seed)
+        data = ResidentData(self.dataset, rt.device, rt.dtype, rt.memory_format, r.augment.translate)
+        opt = build_optimizer(self.model, r.optim, r.data.batch_size)
+        gen = torch.Generator(device=rt.device)
+        gen.manual_seed(seed)
+        augment = BatchAugment(data.n_train, data.image_size, r.augment.translate, r.augment.flip,
+                               r.augment.cutout, gen, rt.device)
+        data_s = model_s = 0.0
+        done = 0
+        self.model.train()
+        while done < steps:
+            batches = data.epoch(done // self.steps_per_epoch, r.data.batch_size, augment, gen)
+            while done < steps:
+                rt.synchronize()
+                t0 = time.perf_counter()
+                try:
+                    x, y = next(batches)
+                except StopIteration:
+                    break
+                rt.synchronize()
+                t1 = time.perf_counter()
+                with rt.autocast():
+                    loss = F.cross_entropy(self.forward(x).float(), y, label_smoothing=r.train.label_smoothing)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rt.synchronize()
+                data_s += t1 - t0
+                model_s += time.perf_counter() - t1
+                done += 1
+        self._reset_for = None
+        return {"steps": done, "data_seconds_per_step": data_s / done, "model_seconds_per_step": model_s / done,
+                "data_seconds_per_epoch": data_s / done * self.steps_per_epoch,
+                "model_seconds_per_epoch": model_s / done * self.steps_per_epoch}

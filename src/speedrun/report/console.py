@@ -5,7 +5,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console(stderr=True)
+def make_console(stderr: bool = False) -> Console:
+    """A rich console; when output goes to a file or pipe, wide enough that tables do not wrap."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=200)
+
+
+console = make_console(stderr=True)
 
 
 class TrainingProgress:
@@ -46,4 +52,4 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     table.add_column(justify="right")
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    make_console().print(table)

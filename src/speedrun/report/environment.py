@@ -22,6 +22,13 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def command_line() -> str:
+    prog = Path(sys.argv[0]).name
+    if prog in ("__main__.py", "-m", "-c", ""):
+        prog = "speedrun"
+    return " ".join([prog, *sys.argv[1:]])
+
+
 def git_state() -> dict:
     """Commit of the speedrun source tree and whether it had uncommitted changes
     (None where speedrun is not installed from a git checkout)."""
@@ -33,6 +40,20 @@ def git_state() -> dict:
     return {"git_commit": commit, "git_dirty": dirty}
 
 
+def gpu_clocks() -> list[dict] | None:
+    """Clocks, power limit and temperature of each GPU as nvidia-smi reads them (None without it)."""
+    fields = ["name", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.limit",
+              "temperature.gpu", "driver_version"]
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [dict(zip(fields, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
+
+
 def environment() -> dict:
     env = {
         "torch_version": torch.__version__,
@@ -42,10 +63,11 @@ def environment() -> dict:
         "cpu_model": cpu_name(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
     }
     if torch.cuda.is_available():
         env["gpu_name"] = torch.cuda.get_device_name(0)
         env["gpu_count"] = torch.cuda.device_count()
+        env["gpu_clocks"] = gpu_clocks()
     env.update(git_state())
     return env

@@ -1,0 +1,1 @@
+"""Benchmarks users can trust: repeated seeded runs, statistics, comparisons, ablations, FLOPs."""

@@ -1,0 +1,175 @@
+"""``speedrun ablate``: what each trick of a recipe buys.
+
+Leave-one-out: the recipe is benchmarked as it is and with each trick turned off in turn.
+Ladder (``--ladder a,b,c``): the recipe with all the named tricks off, then with them
+turned back on one at a time in the given order, as in Page's series where each added
+trick let training stop earlier. With ``--epochs-grid 0.6,0.8,1.0`` each variant is also
+run at those fractions of its epochs, and the epochs it needs to reach the target mean
+accuracy are interpolated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..recipe import Recipe, RecipeError, recipe_from_dict, apply_overrides
+from .stats import welch
+
+
+@dataclass(frozen=True)
+class Trick:
+    name: str
+    what: str
+    is_on: Callable[[Recipe], bool]
+    off: Callable[[Recipe], list[str]]
+
+
+def _speednet(r: Recipe) -> bool:
+    return r.model.name == "speednet"
+
+
+TRICKS: list[Trick] = [
+    Trick("alternating_flip", "alternating instead of random flips", lambda r: r.augment.flip == "alternating",
+          lambda r: ["augment.flip=random"]),
+    Trick("flip", "horizontal flips", lambda r: r.augment.flip != "none", lambda r: ["augment.flip=none"]),
+    Trick("translate", "random crop (translation)", lambda r: r.augment.translate > 0,
+          lambda r: ["augment.translate=0"]),
+    Trick("cutout", "cutout", lambda r: r.augment.cutout > 0, lambda r: ["augment.cutout=0"]),
+    Trick("label_smoothing", "label smoothing", lambda r: r.train.label_smoothing > 0,
+          lambda r: ["train.label_smoothing=0"]),
+    Trick("whitening", "frozen patch-whitening first layer", lambda r: _speednet(r) and r.model.whiten.kernel > 0,
+          lambda r: ["model.whiten.kernel=0"]),
+    Trick("whiten_bias", "training the whitening bias",
+          lambda r: _speednet(r) and r.model.whiten.kernel > 0 and r.model.whiten.train_bias_epochs > 0,
+          lambda r: ["model.whiten.train_bias_epochs=0"]),
+    Trick("ghost_bn", "ghost batch norm", lambda r: r.model.norm.ghost_batch > 0, lambda r: ["model.norm.ghost_batch=0"]),
+    Trick("frozen_bn_scale", "frozen batch-norm scale", lambda r: r.model.norm.scale == "frozen",
+          lambda r: ["model.norm.scale=learned"]),
+    Trick("identity_init", "Dirac initialisation", lambda r: _speednet(r) and r.model.identity_init,
+          lambda r: ["model.identity_init=false"]),
+    Trick("smooth_activation", "CELU/GELU instead of ReLU",
+          lambda r: _speednet(r) and r.model.activation != "relu", lambda r: ["model.activation=relu"]),
+    Trick("logit_scale", "scaled logits", lambda r: _speednet(r) and r.model.out_scale != 1,
+          lambda r: ["model.out_scale=1.0"]),
+    Trick("bias_lr_mult", "larger LR for batch-norm biases", lambda r: r.optim.norm_bias_lr_mult != 1,
+          lambda r: ["optim.norm_bias_lr_mult=1.0"]),
+    Trick("nesterov", "Nesterov momentum", lambda r: r.optim.nesterov and r.optim.momentum > 0,
+          lambda r: ["optim.nesterov=false"]),
+    Trick("no_bias_decay", "no decay on biases and norms", lambda r: r.optim.no_decay_bias_norm,
+          lambda r: ["optim.no_decay_bias_norm=false"]),
+    Trick("weight_averaging", "EMA / lookahead weight averaging", lambda r: r.averaging.kind != "none",
+          lambda r: ["averaging.kind=none"]),
+    Trick("tta", "test-time augmentation", lambda r: r.eval.tta != "none", lambda r: ["eval.tta=none"]),
+    Trick("translate_tta", "translated TTA views", lambda r: r.eval.tta == "flip_translate",
+          lambda r: ["eval.tta=flip"]),
+]
+BY_NAME = {t.name: t for t in TRICKS}
+
+
+def tricks_of(recipe: Recipe, names: list[str] | None = None) -> list[Trick]:
+    """The tricks the recipe uses (or the named ones, which must be in use)."""
+    if names is None:
+        return [t for t in TRICKS if t.is_on(recipe)]
+    chosen = []
+    for name in names:
+        if name not in BY_NAME:
+            raise RecipeError(f"unknown trick {name!r}; known: {', '.join(BY_NAME)}")
+        if not BY_NAME[name].is_on(recipe):
+            raise RecipeError(f"trick {name!r} is not used by recipe {recipe.name!r}, so it cannot be ablated")
+        chosen.append(BY_NAME[name])
+    return chosen
+
+
+def with_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=f"{recipe.name} variant")
+
+
+def plan(recipe: Recipe, tricks: list[Trick], ladder: list[Trick] | None) -> list[dict]:
+    """Variants to benchmark: {'label', 'kind', 'overrides', 'recipe', 'against'}."""
+    variants = [{"label": "recipe", "kind": "baseline", "overrides": [], "recipe": recipe, "against": None}]
+    for t in tricks:
+        ov = t.off(recipe)
+        variants.append({"label": f"without {t.name}", "kind": "leave_one_out", "trick": t.name,
+                         "overrides": ov, "recipe": with_overrides(recipe, ov), "against": "recipe"})
+    if ladder:
+        off = [o for t in ladder for o in t.off(recipe)]
+        prev = "ladder: none"
+        variants.append({"label": prev, "kind": "ladder", "overrides": off,
+                         "recipe": with_overrides(recipe, off), "against": None})
+        for i, t in enumerate(ladder):
+            ov = [o for u in ladder[i + 1:] for o in u.off(recipe)]
+            label = f"ladder: +{t.name}"
+            variants.append({"label": label, "kind": "ladder", "trick": t.name, "overrides": ov,
+                             "recipe": with_overrides(recipe, ov), "against": prev})
+            prev = label
+    return variants
+
+
+def epochs_to_target(points: list[tuple[float, float]], target: float) -> dict:
+    """Interpolate the epochs at which mean accuracy reaches ``target`` from (epochs, mean acc)
+    points; {'epochs': value, 'bound': '=' | '<=' | '>'}."""
+    points = sorted(points)
+    for i, (e, acc) in enumerate(points):
+        if acc >= target:
+            if i == 0:
+                return {"epochs": e, "bound": "<="}
+            e0, a0 = points[i - 1]
+            return {"epochs": e0 + (e - e0) * (target - a0) / (acc - a0), "bound": "="}
+    return {"epochs": points[-1][0] if points else None, "bound": ">"}
+
+
+def deltas(variant: dict, reference: dict) -> dict:
+    """Change of mean accuracy and train+eval time from ``reference`` to ``variant``."""
+    acc = welch([r["test_acc"] for r in reference["runs"]], [r["test_acc"] for r in variant["runs"]])
+    tim = welch([r["times"]["train+eval"] for r in reference["runs"]],
+                [r["times"]["train+eval"] for r in variant["runs"]])
+    return {"delta_acc": acc["diff"], "p_acc": acc["p"], "delta_time": tim["diff"], "p_time": tim["p"]}
+
+
+def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list[str] | None = None,
+                 ladder: list[str] | None = None, grid: list[float] | None = None, out_path=None,
+                 progress=None, on_variant=None) -> dict:
+    """Benchmark every variant (at every grid point) and compute the table's rows."""
+    from ..report.environment import environment
+    from ..report.record import atomic_write_json
+    from .runner import run_bench
+
+    grid = sorted(set(grid or [1.0]))
+    if 1.0 not in grid:
+        grid.append(1.0)
+    chosen = tricks_of(recipe, tricks)
+    ladder_tricks = tricks_of(recipe, ladder) if ladder else None
+    variants = plan(recipe, chosen, ladder_tricks)
+    record = {"recipe": recipe.name, "target": recipe.target, "recipe_hash": recipe.digest(),
+              "runs_per_variant": runs, "epochs_grid": grid, "variants": [],
+              "environment": {**environment(), **runtime.describe()}}
+    benches: dict[str, dict] = {}
+    for v in variants:
+        points, main = [], None
+        for g in grid:
+            epochs = v["recipe"].train.epochs * g
+            r = with_overrides(v["recipe"], [f"train.epochs={epochs!r}"]) if g != 1.0 else v["recipe"]
+            bench = run_bench(r, runtime, runs, data_dir, progress=progress)
+            bench.pop("environment", None)
+            for run in bench["runs"]:
+                run.pop("history", None)
+            points.append({"fraction": g, "epochs": epochs, "summary": bench["summary"], "runs": bench["runs"]})
+            if g == 1.0:
+                main = bench
+        benches[v["label"]] = main
+        row = {k: v[k] for k in ("label", "kind", "overrides", "against")}
+        row["trick"] = v.get("trick")
+        row["test_acc"] = main["summary"]["test_acc"]
+        row["time"] = main["summary"]["times"]["train+eval"]
+        row["epochs"] = v["recipe"].train.epochs
+        row["grid"] = points
+        row["epochs_to_target"] = epochs_to_target(
+            [(p["epochs"], p["summary"]["test_acc"]["mean"]) for p in points], recipe.target)
+        row.update(deltas(main, benches[v["against"]]) if v["against"] else
+                   {"delta_acc": None, "p_acc": None, "delta_time": None, "p_time": None})
+        record["variants"].append(row)
+        if out_path is not None:
+            atomic_write_json(out_path, record)
+        if on_variant is not None:
+            on_variant(row)
+    return record

@@ -1,0 +1,103 @@
+"""FLOP accounting: how much arithmetic a run needs and how close to the hardware it ran.
+
+FLOPs are counted by torch's own ``FlopCounterMode`` on a model built on the meta device
+(no memory, no compute), for one forward and one forward+backward pass. Page's series used
+the same yardstick: the time the run would take at 100% of the device's peak rate.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..engine.evaluate import TTA_VIEWS
+from ..models import build_model
+from ..recipe import Recipe
+
+# Dense (no sparsity) tensor-core peaks in FLOP/s from the vendors' datasheets, for the
+# precisions a recipe runs in. Matched by substring of the device name, first match wins.
+KNOWN_PEAKS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12}),
+    ("H100 PCIe", {"bf16": 756.0e12, "fp16": 756.0e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12}),
+    ("A100", {"bf16": 312.0e12, "fp16": 312.0e12}),
+    ("V100", {"fp16": 125.0e12}),
+    ("L4", {"bf16": 121.0e12, "fp16": 121.0e12}),
+    ("RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12}),
+]
+
+
+def known_peak(device_name: str, precision: str) -> float | None:
+    for key, peaks in KNOWN_PEAKS:
+        if key in device_name:
+            return peaks.get(precision)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def measured_peak(device_type: str, precision: str, size: int | None = None, reps: int = 10,
+                  trials: int = 3) -> float:
+    """Achieved FLOP/s of a large square matrix product in ``precision`` on the device
+    (the best of a few trials, so that a momentary stall does not lower it)."""
+    device = torch.device(device_type)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    n = size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+    return best
+
+
+def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
+                    image_size: tuple[int, int]) -> dict[str, float]:
+    """FLOPs per image of a forward pass and of a training step (forward + backward)."""
+    n = 2
+    with torch.device("meta"):
+        model = build_model(recipe.model, in_channels, num_classes)
+    x = torch.randn(n, in_channels, *image_size, device="meta")
+    y = torch.randint(0, num_classes, (n,), device="meta")
+    with FlopCounterMode(display=False) as fwd:
+        model(x)
+    with FlopCounterMode(display=False) as train:
+        F.cross_entropy(model(x), y).backward()
+    return {"forward": fwd.get_total_flops() / n, "train": train.get_total_flops() / n}
+
+
+def run_flops(recipe: Recipe, per_image: dict, train_images: int, test_images: int) -> dict:
+    """Total FLOPs of a run: training steps plus the final evaluation with TTA."""
+    train = per_image["train"] * train_images
+    evaluate = per_image["forward"] * test_images * len(TTA_VIEWS[recipe.eval.tta])
+    return {"flops_per_train_image": per_image["train"], "flops_per_forward_image": per_image["forward"],
+            "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}
+
+
+def efficiency(total_flops: float, seconds: float, device_type: str, device_name: str,
+               precision: str, measure: bool | None = None) -> dict:
+    """Achieved FLOP/s, the peak it is compared with, utilisation and the ideal time.
+
+    The peak is the datasheet value where the device is known, else (or with measure=True)
+    a measured matrix-product rate."""
+    peak = None if measure else known_peak(device_name, precision)
+    source = "datasheet"
+    if peak is None and measure is not False:
+        peak, source = measured_peak(device_type, precision), "measured matmul"
+    achieved = total_flops / seconds if seconds > 0 else None
+    return {
+        "achieved_flops_per_s": achieved,
+        "peak_flops_per_s": peak,
+        "peak_source": source if peak else None,
+        "utilisation": achieved / peak if (achieved and peak) else None,
+        "ideal_seconds": total_flops / peak if peak else None,
+    }

@@ -1,0 +1,105 @@
+"""``speedrun bench``: N seeded, independent runs of a recipe in one process.
+
+Warm-up (and compilation) happens once, before the first timed run. Before each run the
+model is re-initialised from its seed and the dataset is loaded from disk again, so the
+three timing regions can be measured on every run:
+
+- ``train+eval`` (speed-run convention): first touch of the training data, including
+  preprocessing and whitening, to the final TTA accuracy; the device is synchronised at
+  both ends.
+- ``end_to_end`` (DAWNBench convention): the above plus loading the dataset from disk.
+- ``run_start_to_stop`` (MLPerf convention): the above plus model construction,
+  initialisation and device memory allocation.
+"""
+from __future__ import annotations
+
+import time
+
+from ..data import load_dataset
+from ..engine.loop import Session
+from ..engine.runtime import Runtime
+from ..recipe import Recipe
+from ..report.environment import environment
+from ..report.record import atomic_write_json
+from . import flops
+from .stats import describe, p_mean_at_least
+
+REGIONS = ("train+eval", "end_to_end", "run_start_to_stop")
+REGION_NOTES = {
+    "train+eval": "first touch of the training data (incl. preprocessing, whitening) to the final "
+                  "TTA accuracy; device synchronised at both ends; compile warm-up excluded",
+    "end_to_end": "train+eval plus loading and verifying the dataset files from disk (DAWNBench)",
+    "run_start_to_stop": "end_to_end plus model construction, initialisation and device memory "
+                         "allocation (MLPerf)",
+}
+
+
+def summarize(recipe: Recipe, runs: list[dict]) -> dict:
+    accs = [r["test_acc"] for r in runs]
+    return {
+        "runs": len(runs),
+        "test_acc": describe(accs),
+        "test_acc_no_tta": describe([r["test_acc_no_tta"] for r in runs]),
+        "times": {region: describe([r["times"][region] for r in runs]) for region in REGIONS},
+        "frac_at_target": sum(a >= recipe.target for a in accs) / len(accs) if accs else None,
+        "p_value_mean_at_least_target": p_mean_at_least(accs, recipe.target),
+    }
+
+
+def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0: int | None = None,
+              out_path=None, progress=None, on_run=None) -> dict:
+    """Run the benchmark; writes ``out_path`` (bench.json) after every run when given."""
+    seed0 = recipe.train.seed if seed0 is None else seed0
+    t_load = time.perf_counter()
+    dataset = load_dataset(recipe.data.dataset, data_dir)
+    load_seconds = time.perf_counter() - t_load
+    session = Session(recipe, dataset, runtime, warm_up=True)
+    per_image = flops.per_image_flops(recipe, dataset.in_channels, dataset.num_classes, dataset.image_size)
+    record = {
+        "recipe": recipe.name,
+        "target": recipe.target,
+        "recipe_hash": recipe.digest(),
+        "recipe_config": recipe.to_dict(),
+        "regions": REGION_NOTES,
+        "compile_seconds": session.compile_seconds,
+        "first_load_seconds": load_seconds,
+        "runs": [],
+        "summary": None,
+        "environment": {**environment(), **runtime.describe()},
+    }
+    rt = runtime
+    for i in range(runs):
+        seed = seed0 + i
+        rt.synchronize()
+        t0 = time.perf_counter()
+        session.reset(seed)
+        rt.synchronize()
+        t1 = time.perf_counter()
+        session.dataset = load_dataset(recipe.data.dataset, data_dir, fetch=False)
+        result = session.run(seed, progress)
+        t2 = time.perf_counter()
+        paused = result.monitor_seconds
+        run = {
+            "seed": seed,
+            "test_acc": result.test_acc,
+            "test_acc_no_tta": result.test_acc_no_tta,
+            "epochs": result.epochs,
+            "steps": result.steps,
+            "times": {"train+eval": result.train_seconds, "end_to_end": t2 - t1 - paused,
+                      "run_start_to_stop": t2 - t0 - paused},
+            "history": [vars(h) for h in result.history],
+        }
+        record["runs"].append(run)
+        record["summary"] = summarize(recipe, record["runs"])
+        if out_path is not None:
+            atomic_write_json(out_path, record)
+        if on_run is not None:
+            on_run(i, run)
+    n_train = record["runs"][0]["steps"] * recipe.data.batch_size if runs else 0
+    total = flops.run_flops(recipe, per_image, n_train, len(dataset.test_y))
+    mean_time = record["summary"]["times"]["train+eval"]["mean"] if runs else 0.0
+    record["flops"] = {**total, **flops.efficiency(total["total_flops"], mean_time, rt.device.type,
+                                                   record["environment"]["device_name"], rt.precision)}
+    if out_path is not None:
+        atomic_write_json(out_path, record)
+    return record

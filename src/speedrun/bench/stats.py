@@ -1,0 +1,52 @@
+"""Statistics for repeated runs (scipy's t-distribution and t-tests).
+
+Run-to-run spread of CIFAR-10 accuracy is about 0.13 points, so a claim about a mean needs
+many runs and a test; these functions give the summaries that ``bench.json`` holds and the
+tests that ``speedrun compare`` uses.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import stats
+
+
+def describe(values: Sequence[float], confidence: float = 0.95) -> dict:
+    """Mean, sample std (ddof=1) and a t-based confidence interval for the mean."""
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    mean = float(x.mean()) if n else math.nan
+    if n < 2:
+        return {"n": n, "mean": mean, "std": math.nan, "ci95": [math.nan, math.nan]}
+    std = float(x.std(ddof=1))
+    if std == 0:
+        lo = hi = mean
+    else:
+        lo, hi = stats.t.interval(confidence, n - 1, loc=mean, scale=std / math.sqrt(n))
+    return {"n": n, "mean": mean, "std": std, "ci95": [float(lo), float(hi)]}
+
+
+def p_mean_at_least(values: Sequence[float], target: float) -> float:
+    """One-sided one-sample t-test of H1: mean > target (H0: mean <= target).
+
+    A small p-value is evidence that the mean reaches the target."""
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return math.nan
+    if x.std(ddof=1) == 0:
+        return 0.0 if x.mean() > target else 1.0
+    return float(stats.ttest_1samp(x, target, alternative="greater").pvalue)
+
+
+def welch(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Welch's two-sample t-test (unequal variances) of mean(b) - mean(a), two-sided."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    diff = float(b.mean() - a.mean())
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": diff, "t": math.nan, "p": math.nan}
+    if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:
+        return {"diff": diff, "t": math.inf if diff else 0.0, "p": 0.0 if diff else 1.0}
+    res = stats.ttest_ind(b, a, equal_var=False)
+    return {"diff": diff, "t": float(res.statistic), "p": float(res.pvalue)}

@@ -1,0 +1,217 @@
+"""bench / compare / ablate / flops on real data, with tiny recipes so that they run in seconds."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from speedrun.bench import flops
+from speedrun.bench.ablate import TRICKS, epochs_to_target, plan, tricks_of
+from speedrun.bench.compare import compare
+from speedrun.bench.stats import describe, p_mean_at_least, welch
+from speedrun.models import build_model
+from speedrun.recipe import RecipeError, load_recipe
+
+from test_cli import speedrun
+
+TINY = ["--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024",
+        "--set", "eval.tta=flip"]
+
+
+# ---------------------------------------------------------------------------- statistics
+def test_describe_matches_scipy_on_fixed_samples():
+    x = [0.9401, 0.9388, 0.9415, 0.9397, 0.9409, 0.9392]
+    d = describe(x)
+    assert d["mean"] == pytest.approx(np.mean(x)) and d["std"] == pytest.approx(np.std(x, ddof=1))
+    lo, hi = stats.t.interval(0.95, len(x) - 1, loc=np.mean(x), scale=stats.sem(x))
+    assert d["ci95"] == pytest.approx([lo, hi])
+    # hand value: t(0.975, 5) = 2.5706
+    assert (hi - lo) / 2 == pytest.approx(2.5706 * np.std(x, ddof=1) / math.sqrt(6), rel=1e-4)
+
+
+def test_one_sided_p_value_against_scipy_and_by_hand():
+    x = [0.9401, 0.9388, 0.9415, 0.9397, 0.9409, 0.9392]
+    p = p_mean_at_least(x, 0.939)
+    assert p == pytest.approx(stats.ttest_1samp(x, 0.939, alternative="greater").pvalue)
+    t = (np.mean(x) - 0.939) / (np.std(x, ddof=1) / math.sqrt(6))
+    assert p == pytest.approx(stats.t.sf(t, 5))
+    assert p_mean_at_least(x, 0.935) < 0.001 and p_mean_at_least(x, 0.945) > 0.999
+
+
+def test_welch_against_scipy():
+    a, b = [3.1, 3.3, 3.2, 3.25, 3.15], [2.9, 3.0, 2.95, 3.1, 2.85, 3.05]
+    w = welch(a, b)
+    ref = stats.ttest_ind(b, a, equal_var=False)
+    assert w["t"] == pytest.approx(ref.statistic) and w["p"] == pytest.approx(ref.pvalue)
+    assert w["diff"] == pytest.approx(np.mean(b) - np.mean(a))
+
+
+def test_confidence_interval_covers_the_true_mean_at_the_stated_rate():
+    rng = np.random.default_rng(0)
+    trials, n, covered = 4000, 8, 0
+    for _ in range(trials):
+        lo, hi = describe(rng.normal(0.94, 0.0013, n))["ci95"]
+        covered += lo <= 0.94 <= hi
+    # 95% nominal; binomial sd over 4000 trials is 0.35 points
+    assert abs(covered / trials - 0.95) < 0.012
+
+
+def test_p_value_is_uniform_when_the_mean_sits_at_the_target():
+    rng = np.random.default_rng(1)
+    ps = [p_mean_at_least(rng.normal(0.94, 0.0013, 10), 0.94) for _ in range(3000)]
+    assert abs(np.mean(np.array(ps) < 0.05) - 0.05) < 0.012
+
+
+# ------------------------------------------------------------------------------------ flops
+def _hand_count_cifar10_94():
+    """Multiply-accumulates of the cifar10-94 net by hand, per image."""
+    h = 31                                                       # 2x2 valid whitening conv
+    whiten = h * h * 24 * (3 * 2 * 2)
+    convs = (h * h * 24 * 64 * 9 + 15 * 15 * 64 * 64 * 9        # block 1 (31x31, then pooled 15x15)
+             + 15 * 15 * 64 * 256 * 9 + 7 * 7 * 256 * 256 * 9    # block 2
+             + 7 * 7 * 256 * 256 * 9 + 3 * 3 * 256 * 256 * 9)    # block 3
+    linear = 256 * 10
+    forward = 2 * (whiten + convs + linear)
+    # backward: input and weight gradients for every trainable conv and the linear layer;
+    # nothing for the frozen whitening filters (no weight gradient, images need no gradient)
+    backward = 2 * 2 * (convs + linear)
+    return forward, forward + backward
+
+
+def test_flop_count_of_cifar10_94_matches_a_hand_count():
+    counted = flops.per_image_flops(load_recipe("cifar10-94"), 3, 10, (32, 32))
+    forward, train = _hand_count_cifar10_94()
+    assert counted["forward"] == pytest.approx(forward, rel=0.02)
+    assert counted["train"] == pytest.approx(train, rel=0.02)
+    assert 700e6 < counted["train"] < 715e6
+
+
+def test_run_flops_and_efficiency():
+    r = load_recipe("cifar10-94")
+    per = flops.per_image_flops(r, 3, 10, (32, 32))
+    total = flops.run_flops(r, per, 476 * 1024, 10_000)
+    assert total["eval_flops"] == pytest.approx(6 * 10_000 * per["forward"])     # six TTA views
+    eff = flops.efficiency(total["total_flops"], 3.0, "cuda", "NVIDIA H100 80GB HBM3", "bf16")
+    assert eff["peak_source"] == "datasheet" and eff["peak_flops_per_s"] == 989.4e12
+    assert eff["ideal_seconds"] == pytest.approx(total["total_flops"] / 989.4e12)
+    assert eff["utilisation"] == pytest.approx(eff["ideal_seconds"] / 3.0)
+    cpu = flops.efficiency(1e12, 10.0, "cpu", "AMD EPYC", "fp32")
+    assert cpu["peak_source"] == "measured matmul" and cpu["peak_flops_per_s"] > 1e9
+
+
+# ------------------------------------------------------------------------------- ablation
+def test_every_trick_turns_off_in_a_valid_recipe():
+    for name in ("cifar10-94", "page-resnet9", "fashion-mnist", "dawnbench-resnet18"):
+        r = load_recipe(name)
+        variants = plan(r, tricks_of(r), None)
+        assert len(variants) == 1 + len(tricks_of(r))
+        for v in variants[1:]:
+            assert v["recipe"] != r
+            trick = next(t for t in TRICKS if t.name == v["trick"])
+            assert not trick.is_on(v["recipe"]), (name, trick.name)
+    assert {t.name for t in tricks_of(load_recipe("page-resnet9"))} >= {"ghost_bn", "cutout", "whitening"}
+    with pytest.raises(RecipeError, match="not used by recipe"):
+        tricks_of(load_recipe("dawnbench-resnet18"), ["ghost_bn"])
+
+
+def test_ladder_adds_tricks_back_in_order():
+    r = load_recipe("cifar10-94")
+    v = plan(r, [], tricks_of(r, ["label_smoothing", "tta"]))
+    labels = [x["label"] for x in v]
+    assert labels == ["recipe", "ladder: none", "ladder: +label_smoothing", "ladder: +tta"]
+    assert v[1]["recipe"].train.label_smoothing == 0 and v[1]["recipe"].eval.tta == "none"
+    assert v[2]["recipe"].train.label_smoothing == 0.2 and v[2]["recipe"].eval.tta == "none"
+    assert v[3]["recipe"] == r and v[3]["against"] == "ladder: +label_smoothing"
+
+
+def test_epochs_to_target_interpolates():
+    assert epochs_to_target([(6, 0.92), (8, 0.935), (10, 0.945)], 0.94) == {"epochs": pytest.approx(9.0), "bound": "="}
+    assert epochs_to_target([(6, 0.95), (8, 0.96)], 0.94) == {"epochs": 6, "bound": "<="}
+    assert epochs_to_target([(6, 0.90), (8, 0.91)], 0.94) == {"epochs": 8, "bound": ">"}
+
+
+# ------------------------------------------------------------------ the commands, for real
+@pytest.fixture(scope="module")
+def benches(tmp_path_factory, data_dir):
+    root = tmp_path_factory.mktemp("bench")
+    a = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a", *TINY)
+    b = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b", *TINY,
+                 "--set", "eval.tta=none", "--seed", 10)
+    return root, a, b
+
+
+def test_bench_writes_the_record(benches):
+    root, proc, _ = benches
+    rec = json.loads((root / "a" / "bench.json").read_text())
+    assert rec["recipe"] == "fashion-mnist" and rec["target"] == 0.92 and len(rec["runs"]) == 3
+    assert [r["seed"] for r in rec["runs"]] == [0, 1, 2]
+    for run in rec["runs"]:
+        t = run["times"]
+        assert 0 < t["train+eval"] <= t["end_to_end"] <= t["run_start_to_stop"]
+        assert 0 <= run["test_acc"] <= 1
+    accs = [r["test_acc"] for r in rec["runs"]]
+    s = rec["summary"]
+    assert s["test_acc"]["mean"] == pytest.approx(np.mean(accs))
+    assert s["p_value_mean_at_least_target"] == pytest.approx(stats.ttest_1samp(accs, 0.92, alternative="greater").pvalue)
+    assert s["frac_at_target"] == pytest.approx(np.mean(np.array(accs) >= 0.92))
+    assert set(s["times"]) == {"train+eval", "end_to_end", "run_start_to_stop"}
+    assert len({r["test_acc"] for r in rec["runs"]}) > 1                   # independent seeds
+    env = rec["environment"]
+    for key in ("device", "device_name", "cpu_model", "cpu_cores", "torch_version", "git_commit", "git_dirty",
+                "command"):
+        assert key in env
+    assert rec["recipe_config"]["eval"]["every"] == 0 and len(rec["recipe_hash"]) == 12
+    assert rec["flops"]["total_flops"] > 0 and rec["compile_seconds"] > 0
+    assert "mean ± std" in proc.stdout and "p (mean ≥ target)" in proc.stdout
+
+
+def test_compare_gives_a_verdict(benches):
+    root, _, _ = benches
+    proc = speedrun("compare", root / "a" / "bench.json", root / "b", "--json", root / "cmp.json")
+    result = json.loads((root / "cmp.json").read_text())
+    assert result["verdict"] in proc.stdout.replace("\n", " ") or "accuracy" in proc.stdout
+    assert ("faster" in result["verdict"] or "slower" in result["verdict"] or "time not different" in result["verdict"])
+    a = json.loads((root / "a" / "bench.json").read_text())
+    b = json.loads((root / "b" / "bench.json").read_text())
+    ref = stats.ttest_ind([r["times"]["train+eval"] for r in b["runs"]], [r["times"]["train+eval"] for r in a["runs"]],
+                          equal_var=False)
+    assert result["time"]["p"] == pytest.approx(ref.pvalue)
+
+
+def test_compare_verdict_wording():
+    def fake(times, accs):
+        return {"recipe": "x", "environment": {"device_name": "d"},
+                "runs": [{"times": {"train+eval": t}, "test_acc": a} for t, a in zip(times, accs)]}
+    a = fake([3.0, 3.1, 3.05, 2.95], [0.940, 0.941, 0.939, 0.9405])
+    b = fake([2.0, 2.1, 2.05, 1.95], [0.9402, 0.9398, 0.9411, 0.9399])
+    v = compare(a, b)["verdict"]
+    assert v.startswith("B is faster by 1 s") and "accuracy not different" in v
+    v = compare(b, a)["verdict"]
+    assert v.startswith("B is slower by 1 s")
+
+
+def test_ablate_writes_table_and_chart(tmp_path, data_dir):
+    out = tmp_path / "abl"
+    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", out, *TINY,
+                    "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5")
+    rec = json.loads((out / "ablate.json").read_text())
+    labels = [v["label"] for v in rec["variants"]]
+    assert labels == ["recipe", "without label_smoothing", "without tta", "ladder: none", "ladder: +tta"]
+    without_tta = rec["variants"][2]
+    assert without_tta["delta_acc"] is not None and len(without_tta["grid"]) == 2
+    assert without_tta["grid"][0]["epochs"] == pytest.approx(0.05)
+    png = (out / "ablation.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "without label_smoothing" in proc.stdout and "epochs to target" in proc.stdout
+
+
+def test_flops_command_reports_the_split(tmp_path, data_dir):
+    proc = speedrun("flops", "fashion-mnist", "--data-dir", data_dir, "--steps", 3, "--json", tmp_path / "f.json")
+    rec = json.loads((tmp_path / "f.json").read_text())
+    net = build_model(load_recipe("fashion-mnist").model, 1, 10)
+    assert rec["flops_per_train_image"] > 2 * rec["flops_per_forward_image"]
+    assert rec["split"]["data_seconds_per_step"] > 0 and rec["split"]["model_seconds_per_step"] > 0
+    assert "data time per epoch" in proc.stdout and sum(p.numel() for p in net.parameters()) > 0
+    assert torch.isfinite(torch.tensor(rec["ideal_seconds"]))
