@@ -3,6 +3,7 @@ import torch
 from speedrun.data.augment import (BatchAugment, alternating_flip_mask, crop, cutout, flip,
                                    reflect_pad)
 from speedrun.data.resident import ResidentData
+from speedrun.recipe import AugmentConfig
 
 
 def test_crop_matches_slicing_each_image():
@@ -32,7 +33,8 @@ def test_flip_mirrors_only_masked_images():
 
 
 def test_alternating_flip_flips_each_image_on_exactly_every_other_epoch():
-    aug = BatchAugment(1000, (8, 8), 0, "alternating", 0, torch.Generator().manual_seed(1), torch.device("cpu"))
+    aug = BatchAugment(AugmentConfig(flip="alternating"), 1000, (8, 8), torch.Generator().manual_seed(1),
+                       torch.device("cpu"))
     masks = torch.stack([aug.draw(e)["flip"] for e in range(8)])          # epochs x images
     assert masks.sum(0).tolist() == [4] * 1000                           # half of the epochs each
     assert torch.all(masks[1:] != masks[:-1])                             # never twice in a row
@@ -50,7 +52,8 @@ def test_cutout_zeroes_a_square_clipped_at_the_border():
 
 def test_draws_are_reproducible_from_the_seed():
     def draws(seed):
-        aug = BatchAugment(100, (8, 8), 2, "random", 4, torch.Generator().manual_seed(seed), torch.device("cpu"))
+        aug = BatchAugment(AugmentConfig(flip="random", translate=2, cutout=4), 100, (8, 8),
+                           torch.Generator().manual_seed(seed), torch.device("cpu"))
         return aug.draw(0)
     a, b, c = draws(5), draws(5), draws(6)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -64,7 +67,8 @@ def test_resident_data_is_normalised_once_and_epochs_are_permutations(fashion):
     sample = data.whitening_sample(60_000)
     assert sample.shape == (60_000, 1, 28, 28)
     assert abs(float(sample.mean())) < 1e-3 and abs(float(sample.std()) - 1) < 1e-3
-    aug = BatchAugment(data.n_train, data.image_size, 2, "random", 0, torch.Generator().manual_seed(0), data.device)
+    aug = BatchAugment(AugmentConfig(translate=2), data.n_train, data.image_size, torch.Generator().manual_seed(0),
+                       data.device)
     batches = list(data.epoch(0, 7_000, aug, torch.Generator().manual_seed(0)))
     assert len(batches) == 8                                           # last partial batch dropped
     x, y = batches[0]
@@ -75,7 +79,8 @@ def test_resident_data_is_normalised_once_and_epochs_are_permutations(fashion):
 
 def test_an_epoch_visits_distinct_images_in_a_new_order(fashion):
     data = ResidentData(fashion, torch.device("cpu"), torch.float32, torch.contiguous_format, translate=0)
-    aug = BatchAugment(data.n_train, data.image_size, 0, "none", 0, torch.Generator().manual_seed(0), data.device)
+    aug = BatchAugment(AugmentConfig(flip="none"), data.n_train, data.image_size, torch.Generator().manual_seed(0),
+                       data.device)
     w = torch.randn(1 * 28 * 28, dtype=torch.float64)
     fingerprint = lambda x: (x.flatten(1).double() @ w)
     known = sorted(round(v, 6) for v in fingerprint(data.train).tolist())   # the set has duplicates

@@ -42,7 +42,9 @@ def test_evaluate_counts_match_a_direct_computation():
     x, y = torch.randn(50, 3, 10, 10), torch.randint(0, 5, (50,))
     model(x)
     model.train()
-    c_tta, c_plain = evaluate(model, x, y, "flip", batch_size=16)
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 50, 16)]
+    c_tta, c_plain, n = evaluate(model, batches, "flip")
+    assert n == 50
     with torch.no_grad():
         logits = 0.5 * model(x) + 0.5 * model(x.flip(3))
         assert int(c_tta) == int((logits.argmax(1) == y).sum())

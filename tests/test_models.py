@@ -108,10 +108,10 @@ def test_cifar10_94_network_layout():
 
 
 def test_preact_resnet18_parameter_count():
-    net = build_model(ResNetConfig(depth=18, preact=True), 3, 10)
+    net = build_model(ResNetConfig(depth=18, preact=True, stem="cifar"), 3, 10)
     n = sum(p.numel() for p in net.parameters())
     # Kuang Liu's PreActResNet18 has 11,171,146 parameters; ours adds the final BN (2 * 512)
     assert n == 11_171_146 + 1024
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    post = build_model(ResNetConfig(depth=18, preact=False), 3, 10)
+    post = build_model(ResNetConfig(depth=18, preact=False, stem="cifar"), 3, 10)
     assert post(torch.randn(2, 3, 32, 32)).shape == (2, 10)

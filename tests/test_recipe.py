@@ -62,7 +62,7 @@ def test_missing_field_and_cross_field_checks():
     del raw["optim"]["lr"]
     with pytest.raises(RecipeError, match="'optim.lr' is required"):
         recipe_from_dict(raw)
-    with pytest.raises(RecipeError, match="ghost_batch=48 must divide data.batch_size=512"):
+    with pytest.raises(RecipeError, match="ghost_batch=48 must divide the micro-batch"):
         load_recipe("fashion-mnist", ["model.norm.ghost_batch=48"])
     with pytest.raises(RecipeError, match="knots must start at 0 and end at 1"):
         load_recipe("fashion-mnist", ["schedule.knots=[0.1, 0.5, 1.0]"])

@@ -9,8 +9,9 @@ from pathlib import Path
 from . import __version__
 
 
-def _recipe_options(p, out_help: str) -> None:
-    p.add_argument("recipe", help="a shipped recipe name (see `speedrun recipes`) or a .toml path")
+def _recipe_options(p, out_help: str, optional: bool = False) -> None:
+    p.add_argument("recipe", nargs="?" if optional else None,
+                   help="a shipped recipe name (see `speedrun recipes`) or a .toml path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set optim.lr=0.5 (repeatable)")
     p.add_argument("--data-dir", help="folder holding the dataset (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
@@ -27,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train one recipe once and write a run record")
-    _recipe_options(p, "run folder (default: a new folder under runs/)")
+    _recipe_options(p, "run folder (default: a new folder under runs/)", optional=True)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint.pt")
+    p.add_argument("--find-batch", action="store_true",
+                   help="halve data.batch_size on out-of-memory until it fits (runtime.find_batch)")
 
     sub.add_parser("recipes", help="list the shipped recipes")
 
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 def dispatch(args) -> int:
     if args.command == "train":
         from .train import train_command
+        if args.find_batch:
+            args.overrides.append("runtime.find_batch=true")
         return train_command(args)
     if args.command == "recipes":
         from .train import recipes_command

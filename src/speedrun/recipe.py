@@ -31,14 +31,54 @@ class Section(BaseModel):
 # ------------------------------------------------------------------------------------------
 
 class DataConfig(Section):
-    dataset: Literal["cifar10", "cifar100", "fashion-mnist"]
+    dataset: Literal["cifar10", "cifar100", "fashion-mnist", "folder", "npz"]
     batch_size: int = Field(gt=0, description="training examples per optimizer step")
+    path: str | None = Field(None, description="the image folder or .npz file (folder and npz datasets; "
+                             "--data-dir gives it too)")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="folder without val/: fraction held out")
+    split_seed: int = Field(0, ge=0, description="seed of the train/val split of a single folder")
+    image_size: int = Field(0, ge=0, description="streamed: training crop size in pixels; 0 = from the data")
+    eval_crop: float = Field(0.0, ge=0, le=1, description="streamed eval: centre crop fraction; 0 = 0.875, "
+                             "or 1 for images of 64 px or less")
+    pipeline: Literal["auto", "resident", "streamed"] = "auto"
+    workers: int = Field(-1, ge=-1, description="DataLoader worker processes; -1 = one per CPU core, at most 8")
+    decoder: Literal["auto", "pillow", "simplejpeg", "gpu"] = "auto"
+    skip_corrupt: bool = Field(False, description="skip unreadable images (and report how many) instead of stopping")
+    progressive: list[tuple[float, float]] | None = Field(
+        None, description="progressive resizing: [[fraction of training, scale of image_size], ...]")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.progressive is not None:
+            fracs = [f for f, _ in self.progressive]
+            if not fracs or fracs[0] != 0 or any(b <= a for a, b in zip(fracs, fracs[1:])) or fracs[-1] >= 1:
+                raise ValueError("data.progressive fractions must start at 0 and increase below 1")
+            if self.progressive[-1][1] != 1 or any(not 0 < sc <= 1 for _, sc in self.progressive):
+                raise ValueError("data.progressive scales must be in (0, 1] and end at 1 (full size)")
+        return self
 
 
 class AugmentConfig(Section):
     flip: Literal["none", "random", "alternating"] = "random"
+    crop: Literal["translate", "random_resized"] = "translate"
     translate: int = Field(0, ge=0, le=16, description="random-crop shift in pixels (reflect padding)")
+    rrc_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
+    rrc_ratio: tuple[float, float] = Field((0.75, 4 / 3), description="random-resized-crop aspect range")
     cutout: int = Field(0, ge=0, description="side of the square cut out of each image; 0 = off")
+    color_jitter: float = Field(0.0, ge=0, lt=1, description="brightness, contrast, saturation factors in 1 +- this")
+    lighting: float = Field(0.0, ge=0, description="std of AlexNet-style PCA lighting noise; 0 = off")
+    mixup: float = Field(0.0, ge=0, description="mixup Beta(alpha, alpha); 0 = off")
+    cutmix: float = Field(0.0, ge=0, description="CutMix Beta(alpha, alpha); 0 = off")
+    mix_prob: float = Field(1.0, ge=0, le=1, description="probability that a batch is mixed")
+
+    @model_validator(mode="after")
+    def _check(self):
+        lo, hi = self.rrc_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError("augment.rrc_scale must be 0 < low <= high <= 1")
+        if not 0 < self.rrc_ratio[0] <= self.rrc_ratio[1]:
+            raise ValueError("augment.rrc_ratio must be 0 < low <= high")
+        return self
 
 
 class WhitenConfig(Section):
@@ -85,25 +125,47 @@ class SpeedNetConfig(Section):
 
 class ResNetConfig(Section):
     name: Literal["resnet"] = "resnet"
-    depth: Literal[18, 34] = 18
-    preact: bool = Field(True, description="pre-activation blocks (BN-ReLU before each conv)")
-    width: int = Field(64, gt=0, description="channels of the first stage (doubled per stage)")
+    depth: Literal[18, 34, 50, 101] = 50
+    stem: Literal["cifar", "imagenet"] = Field(
+        "imagenet", description="cifar: one 3x3 conv, no down-sampling; imagenet: 7x7/2 conv and max-pool")
+    variant: Literal["a", "b", "c", "d"] = Field(
+        "a", description="He et al. 2019 tweaks, cumulative: b strided 3x3, c deep stem, d avg-pool shortcut")
+    preact: bool = Field(False, description="pre-activation blocks (BN-ReLU before each conv; depth 18/34)")
+    width: int = Field(64, ge=8, description="channels of the first stage (doubled per stage, multiples of 8)")
+    zero_gamma: bool = Field(False, description="zero-initialise the last BN scale of each residual block "
+                             "(needs preact = false and a learned BN scale)")
+    init: Literal["kaiming", "xavier"] = "kaiming"
     norm: NormConfig = NormConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.preact and self.depth > 34:
+            raise ValueError("model.preact is for basic-block ResNets (depth 18 or 34)")
+        if self.preact and self.variant != "a":
+            raise ValueError("model.variant tweaks apply to post-activation ResNets (preact = false)")
+        return self
 
 
 ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig], Field(discriminator="name")]
 
 
 class OptimConfig(Section):
-    name: Literal["sgd"] = "sgd"
-    lr: float = Field(gt=0, description="momentum-normalised step size per ref_batch examples")
+    name: Literal["sgd", "lars", "lamb"] = "sgd"
+    lr: float = Field(gt=0, description="step size per ref_batch examples (momentum-normalised for sgd/lars)")
     ref_batch: int = Field(gt=0, description="batch size that lr and weight_decay are stated for")
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field(
+        "linear", description="how lr and weight_decay follow batch_size / ref_batch")
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    weight_decay: float = Field(0.0, ge=0, description="decoupled decay per ref_batch examples at peak")
+    weight_decay: float = Field(0.0, ge=0, description="sgd: decoupled decay per ref_batch examples at peak; "
+                                "lars/lamb: the coefficient of their published update")
     no_decay_bias_norm: bool = Field(False, description="exclude biases and norm parameters from decay")
     norm_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for batch-norm biases")
     whiten_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for the whitening bias")
+    trust_coefficient: float = Field(0.001, gt=0, description="LARS: eta in the layer-wise trust ratio")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="LAMB: Adam moment decays")
+    eps: float = Field(1e-6, gt=0, description="LAMB: added to the second-moment root")
+    adapt_bias_norm: bool = Field(False, description="LARS/LAMB: also scale biases and norms by trust ratio")
 
 
 class PiecewiseSchedule(Section):
@@ -133,7 +195,31 @@ class OneCycleSchedule(Section):
         None, ge=0, lt=1, description="momentum at the LR peak (cycled inversely to the LR); None = fixed")
 
 
-ScheduleConfig = Annotated[Union[PiecewiseSchedule, OneCycleSchedule], Field(discriminator="kind")]
+class CosineSchedule(Section):
+    kind: Literal["cosine"] = "cosine"
+    warmup_epochs: float = Field(0.0, ge=0, description="linear warm-up from warmup_start to 1")
+    warmup_start: float = Field(0.0, ge=0)
+    end: float = Field(0.0, ge=0, description="LR multiplier at the end of the cosine")
+
+
+class StepSchedule(Section):
+    kind: Literal["step"] = "step"
+    warmup_epochs: float = Field(0.0, ge=0)
+    warmup_start: float = Field(0.0, ge=0)
+    milestones: list[float] = Field(description="epochs at which the LR is multiplied by gamma")
+    gamma: float = Field(0.1, gt=0)
+
+
+class PolySchedule(Section):
+    kind: Literal["poly"] = "poly"
+    warmup_epochs: float = Field(0.0, ge=0)
+    warmup_start: float = Field(0.0, ge=0)
+    power: float = Field(2.0, gt=0, description="polynomial decay (1 - progress)**power after warm-up")
+    end: float = Field(0.0, ge=0)
+
+
+ScheduleConfig = Annotated[Union[PiecewiseSchedule, OneCycleSchedule, CosineSchedule, StepSchedule, PolySchedule],
+                           Field(discriminator="kind")]
 
 
 class AveragingConfig(Section):
@@ -147,6 +233,18 @@ class TrainConfig(Section):
     epochs: float = Field(gt=0, le=10_000)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     seed: int = Field(0, ge=0)
+    accumulate: int = Field(1, ge=1, description="split each batch into this many micro-batches")
+
+
+class DistillConfig(Section):
+    teacher: str | None = Field(None, description="a teacher's model.pt (its run folder holds config.toml)")
+    alpha: float = Field(0.5, ge=0, le=1, description="weight of the distillation term")
+    temperature: float = Field(4.0, gt=0, description="softmax temperature of both teacher and student")
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0, description="write a checkpoint every this many steps; 0 = off")
+    every_epochs: float = Field(0.0, ge=0, description="write a checkpoint every this many epochs; 0 = off")
 
 
 class EvalConfig(Section):
@@ -159,6 +257,7 @@ class RuntimeConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     channels_last: Literal["auto", "on", "off"] = "auto"
+    find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
 
 
 class Recipe(Section):
@@ -172,15 +271,20 @@ class Recipe(Section):
     schedule: ScheduleConfig
     averaging: AveragingConfig = AveragingConfig()
     train: TrainConfig
+    distill: DistillConfig = DistillConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self):
         gb = self.model.norm.ghost_batch
-        if gb and self.data.batch_size % gb:
-            raise ValueError(
-                f"model.norm.ghost_batch={gb} must divide data.batch_size={self.data.batch_size}")
+        micro = self.data.batch_size // self.train.accumulate
+        if gb and (self.data.batch_size % self.train.accumulate or micro % gb):
+            raise ValueError(f"model.norm.ghost_batch={gb} must divide the micro-batch "
+                             f"(data.batch_size={self.data.batch_size} / train.accumulate={self.train.accumulate})")
+        if self.train.accumulate > self.data.batch_size:
+            raise ValueError("train.accumulate must not exceed data.batch_size")
         return self
 
     # -- serialisation ------------------------------------------------------------------
@@ -303,7 +407,7 @@ def describe_errors(err: ValidationError, source: str) -> str:
     return f"{source}: " + "; ".join(lines)
 
 
-_TAGS = {"speednet", "resnet", "piecewise", "onecycle"}
+_TAGS = {"speednet", "resnet", "piecewise", "onecycle", "cosine", "step", "poly"}
 
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:

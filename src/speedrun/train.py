@@ -5,12 +5,16 @@ import time
 
 import torch
 
+from pathlib import Path
+
 from .bench import flops
-from .data import load_dataset
+from .data.source import open_source
+from .engine import checkpoint as ckpt
+from .engine.batch_finder import is_out_of_memory
 from .engine.loop import NonFiniteLoss, RunResult, Session
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import TrainingStopped
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, RecipeError, load_recipe
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import RunRecord, new_run_dir
@@ -51,35 +55,59 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "monitor_seconds": result.monitor_seconds,
         "wall_seconds": wall,
         "seed": result.seed,
+        "skipped_images": result.skipped_images,
+        "resumed_from_step": result.resumed_from_step,
         **flop_figures(recipe, result, session),
         **session.runtime.describe(),
         **env,
     }
 
 
-def train_command(args) -> int:
+def _recipe_for(args) -> tuple[Recipe, dict | None]:
+    """The recipe to train, and the checkpoint when resuming (whose run's config.toml is the recipe)."""
     overrides = list(args.overrides) + ([f"train.seed={args.seed}"] if args.seed is not None else [])
-    recipe = load_recipe(args.recipe, overrides)
+    if not args.resume:
+        if not args.recipe:
+            raise RecipeError("speedrun train needs a RECIPE (or --resume RUN_DIR)")
+        return load_recipe(args.recipe, overrides), None
+    folder = Path(args.resume)
+    state = ckpt.load(folder)
+    recipe = load_recipe(str((folder if folder.is_dir() else folder.parent) / "config.toml"), overrides)
+    if args.recipe and load_recipe(args.recipe, overrides).name != recipe.name:
+        raise RecipeError(f"--resume {folder} is a run of {recipe.name!r}, not {args.recipe!r}")
+    return recipe, state
+
+
+def train_command(args) -> int:
+    recipe, resume = _recipe_for(args)
     runtime = resolve_runtime(recipe.runtime, pick_device(args.device))
-    record = RunRecord(args.out or new_run_dir(recipe.name))
-    record.write_config(recipe.to_toml())
+    folder = Path(args.resume) if resume is not None else (args.out or new_run_dir(recipe.name))
+    if resume is not None and not folder.is_dir():
+        folder = folder.parent
+    record = RunRecord(folder, resume_history=[h for h in resume["history"]] if resume else None)
     env = environment()
-    dataset = load_dataset(recipe.data.dataset, args.data_dir)
+    recipe, source = open_source(recipe, args.data_dir)
+    say = lambda msg: print(f"speedrun: {msg}")
     try:
-        session = Session(recipe, dataset, runtime)
+        session = Session(recipe, source, runtime, say=say)
+        recipe = session.recipe                      # the batch finder may have changed it
+        record.write_config(recipe.to_toml())
         with TrainingProgress(recipe.name) as progress:
-            result = session.run(progress=progress, on_epoch=lambda rec: record.append_metrics(vars(rec)))
+            result = session.run(progress=progress, on_epoch=lambda rec: record.append_metrics(vars(rec)),
+                                 checkpoint_dir=record.folder, resume=resume)
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")
         raise TrainingStopped(
             f"{err}. The last good weights (after step {err.last_good_step}) are in {path}. "
             "Lower optim.lr, or check the data, then run again.") from None
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):
+            raise
         raise TrainingStopped(out_of_memory_message(recipe, runtime.device)) from None
     record.save_weights(result.state_dict)
     summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started)
     record.write_summary(summary)
-    print_table(f"{recipe.name} on {summary['device_name']}", [
+    rows = [
         ("test accuracy" + (f" ({recipe.eval.tta} TTA)" if recipe.eval.tta != "none" else ""),
          f"{result.test_acc:.2%}"),
         ("without TTA", f"{result.test_acc_no_tta:.2%}"),
@@ -89,7 +117,12 @@ def train_command(args) -> int:
         ("compile seconds", f"{session.compile_seconds:.2f}"),
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("record", str(record.folder)),
-    ])
+    ]
+    if result.skipped_images:
+        rows.insert(4, ("unreadable images skipped", str(result.skipped_images)))
+    if result.resumed_from_step is not None:
+        rows.insert(4, ("resumed from step", str(result.resumed_from_step)))
+    print_table(f"{recipe.name} on {summary['device_name']}", rows)
     return 0
 
 

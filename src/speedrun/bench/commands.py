@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..data import DataError, load_dataset
+from ..data import DataError
+from ..data.source import open_source
 from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..recipe import load_recipe
@@ -133,7 +134,7 @@ def ablate_command(args) -> int:
 # ------------------------------------------------------------------------------------------
 def flops_command(args) -> int:
     recipe, runtime = _recipe_and_runtime(args, [])
-    ds = load_dataset(recipe.data.dataset, args.data_dir)
+    recipe, ds = open_source(recipe, args.data_dir)
     per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
     session = Session(recipe, ds, runtime, warm_up=True)
     total = flops.run_flops(recipe, per_image, session.total_steps * recipe.data.batch_size, len(ds.test_y))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from ..data import load_dataset
+from ..data.source import open_source
 from ..engine.loop import Session
 from ..engine.runtime import Runtime
 from ..recipe import Recipe
@@ -51,9 +51,10 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
     """Run the benchmark; writes ``out_path`` (bench.json) after every run when given."""
     seed0 = recipe.train.seed if seed0 is None else seed0
     t_load = time.perf_counter()
-    dataset = load_dataset(recipe.data.dataset, data_dir)
+    recipe, dataset = open_source(recipe, data_dir)
     load_seconds = time.perf_counter() - t_load
     session = Session(recipe, dataset, runtime, warm_up=True)
+    recipe = session.recipe
     per_image = flops.per_image_flops(recipe, dataset.in_channels, dataset.num_classes, dataset.image_size)
     record = {
         "recipe": recipe.name,
@@ -75,7 +76,7 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
         session.reset(seed)
         rt.synchronize()
         t1 = time.perf_counter()
-        session.dataset = load_dataset(recipe.data.dataset, data_dir, fetch=False)
+        session.dataset = open_source(recipe, data_dir)[1]
         result = session.run(seed, progress)
         t2 = time.perf_counter()
         paused = result.monitor_seconds

@@ -50,18 +50,25 @@ def cutout(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) ->
 
 
 class BatchAugment:
-    """Draws the random numbers for one epoch at once and applies crop / flip / cutout.
+    """Draws the random numbers for one epoch at once and applies the recipe's batched
+    augmentations: crop (translate or random-resized), flip, cutout, colour jitter, lighting.
 
-    ``x`` handed to :meth:`__call__` is already reflect-padded by ``translate`` pixels (done
-    once for the whole set), so a random crop is a random translation.
+    For ``crop = "translate"`` the images handed to :meth:`__call__` are already
+    reflect-padded by ``translate`` pixels, so a random crop is a random translation.
+    ``mean``/``std`` are the per-channel normalisation statistics in 0..255 units.
     """
 
-    def __init__(self, n: int, image_size: tuple[int, int], translate: int, flip: str,
-                 cutout_size: int, generator: torch.Generator, device: torch.device):
-        self.n, self.size, self.translate = n, image_size, translate
-        self.flip_mode, self.cutout_size = flip, cutout_size
+    def __init__(self, cfg, n: int, image_size: tuple[int, int], generator: torch.Generator,
+                 device: torch.device, mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+                 resized_crop: bool = True):
+        self.cfg, self.n, self.size = cfg, n, image_size
+        self.translate = cfg.translate if cfg.crop == "translate" else 0
+        # the streamed pipeline cuts random-resized crops in its workers, not here
+        self.resized_crop = cfg.crop == "random_resized" and resized_crop
         self.gen, self.device = generator, device
-        self.first_flip = self._bits() if flip == "alternating" else None
+        self.mean = None if mean is None else mean.to(device) / 255
+        self.std = None if std is None else std.to(device) / 255
+        self.first_flip = self._bits() if cfg.flip == "alternating" else None
 
     def _bits(self) -> torch.Tensor:
         return torch.rand(self.n, generator=self.gen, device=self.device) < 0.5
@@ -71,25 +78,40 @@ class BatchAugment:
 
     def draw(self, epoch: int) -> dict[str, torch.Tensor]:
         """Per-image random numbers for one epoch, indexed by image id."""
-        r = {}
+        from .augment_extra import sample_jitter, sample_lighting, sample_rrc_boxes
+        cfg, r = self.cfg, {}
         if self.translate:
             r["top"], r["left"] = self._ints(2 * self.translate + 1), self._ints(2 * self.translate + 1)
-        if self.flip_mode == "random":
+        if self.resized_crop:
+            r["boxes"] = sample_rrc_boxes(self.n, *self.size, cfg.rrc_scale, cfg.rrc_ratio, self.gen, self.device)
+        if cfg.flip == "random":
             r["flip"] = self._bits()
-        elif self.flip_mode == "alternating":
+        elif cfg.flip == "alternating":
             r["flip"] = alternating_flip_mask(self.first_flip, epoch)
-        if self.cutout_size:
+        if cfg.cutout:
             h, w = self.size
-            half = self.cutout_size // 2
+            half = cfg.cutout // 2
             r["cut_top"] = self._ints(h) - half
             r["cut_left"] = self._ints(w) - half
+        if cfg.color_jitter:
+            r["jitter"] = sample_jitter(self.n, cfg.color_jitter, self.gen, self.device).T   # (N, 3)
+        if cfg.lighting:
+            r["lighting"] = sample_lighting(self.n, cfg.lighting, self.gen, self.device)
         return r
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor]) -> torch.Tensor:
+        from .augment_extra import IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, random_resized_crop
         if "top" in r:
             x = crop(x, r["top"][idx], r["left"][idx], self.size)
+        if "boxes" in r:
+            x = random_resized_crop(x, r["boxes"][idx], self.size)
         if "flip" in r:
             x = flip(x, r["flip"][idx])
+        if "jitter" in r:
+            b, c, s = r["jitter"][idx].unbind(1)
+            x = color_jitter(x, b, c, s, self.mean, self.std)
+        if "lighting" in r:
+            x = lighting(x, r["lighting"][idx], IMAGENET_EIGVAL, IMAGENET_EIGVEC, self.std)
         if "cut_top" in r:
-            x = cutout(x, r["cut_top"][idx], r["cut_left"][idx], self.cutout_size)
+            x = cutout(x, r["cut_top"][idx], r["cut_left"][idx], self.cfg.cutout)
         return x

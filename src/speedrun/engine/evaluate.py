@@ -46,17 +46,18 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tta: str, batch_size: int,
-             runtime=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Correct-prediction counts (with TTA, plain view) as device tensors: no host sync."""
+def evaluate(model: nn.Module, batches, tta: str, runtime=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Correct-prediction counts (with TTA, plain view) as device tensors, and the number of
+    images, over an iterable of (x, y) device batches: no host sync."""
     memory_format = runtime.memory_format if runtime else torch.contiguous_format
     was_training = model.training
     model.eval()
-    correct = torch.zeros(2, dtype=torch.int64, device=x.device)
+    correct, n = None, 0
     with runtime.autocast() if runtime else contextlib.nullcontext():
-        for i in range(0, len(x), batch_size):
-            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+        for xb, yb in batches:
             total, plain = tta_logits(model, xb, tta, memory_format)
-            correct += torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
+            c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
+            correct = c if correct is None else correct + c
+            n += len(yb)
     model.train(was_training)
-    return correct[0], correct[1]
+    return correct[0], correct[1], n

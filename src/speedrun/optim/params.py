@@ -1,22 +1,29 @@
-"""Parameter groups and the SGD optimizer, with hyperparameters whose meaning does not
-change with the batch size or the momentum.
+"""Parameter groups and the optimizer (SGD, LARS or LAMB), with hyperparameters whose
+meaning does not change with the batch size or the momentum.
 
-- ``optim.lr`` is the momentum-normalised step size for a batch of ``optim.ref_batch``
-  examples: the per-step learning rate applied to the mean-loss gradient is
-  ``lr * (1 - momentum) * batch_size / ref_batch`` (the linear scaling rule, Goyal et al.
-  2017; with momentum m the long-run step is lr/(1-m) times the per-step rate).
-- ``optim.weight_decay`` is decoupled from the LR (Loshchilov & Hutter, 2019): the fraction
-  of each weight removed per ref_batch examples at the schedule's peak, in the same
-  momentum-normalised units. Changing ``lr`` or a group's LR multiplier leaves it unchanged;
-  it follows the LR schedule's shape.
+- ``optim.lr`` is the step size for a batch of ``optim.ref_batch`` examples, scaled to the
+  actual batch by ``optim.lr_scaling``: ``scale`` = batch_size / ref_batch (linear, Goyal et al.
+  2017), its square root (sqrt), or 1 (none). For SGD and LARS it is momentum-normalised: the
+  per-step LR is ``lr * (1 - momentum) * scale`` (with momentum m the long-run step is lr/(1-m)
+  times the per-step rate). For LAMB, whose Adam moments are averages, it is ``lr * scale``.
+- ``optim.weight_decay`` for SGD is decoupled from the LR (Loshchilov & Hutter, 2019): the
+  fraction of each weight removed per ref_batch examples at the schedule's peak, in the same
+  momentum-normalised units and scaled like the LR. Changing ``lr`` or a group's LR multiplier
+  leaves it unchanged; it follows the LR schedule's shape.
+- For LARS and LAMB, ``optim.weight_decay`` is the published formula's coefficient (see
+  ``layerwise.py``): the decay applied per step is proportional to the LR and the trust ratio.
+  Only "weight" tensors are trust-scaled unless ``optim.adapt_bias_norm``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 
 from ..models import BatchNorm, PatchWhitening
 from ..recipe import OptimConfig
+from .layerwise import LAMB, LARS
 
 
 def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -36,30 +43,48 @@ def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.SGD:
-    """torch SGD with one group per parameter role.
+def step_lr(cfg: OptimConfig, batch_size: int) -> float:
+    """The per-step LR at schedule multiplier 1, before a group's LR multiplier."""
+    ratio = batch_size / cfg.ref_batch
+    scale = {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[cfg.lr_scaling]
+    momentum_norm = 1.0 if cfg.name == "lamb" else 1 - cfg.momentum
+    return cfg.lr * momentum_norm * scale
 
-    Each group carries ``base_lr`` (its LR at schedule multiplier 1) and ``lr_mult``; the
-    decoupled decay is expressed through torch's coupled ``weight_decay`` as
-    ``decay / (lr * lr_mult)``, so that lr_t * weight_decay = multiplier_t * decay."""
-    step_lr = cfg.lr * (1 - cfg.momentum) * batch_size / cfg.ref_batch
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.Optimizer:
+    """SGD, LARS or LAMB (by ``cfg.name``) with one group per parameter role.
+
+    Each group carries ``name`` (its role), ``base_lr`` (its LR at schedule multiplier 1) and
+    ``lr_mult``. For SGD the decoupled decay is expressed through torch's coupled
+    ``weight_decay`` as ``decay / (lr * lr_mult)``, so that lr_t * weight_decay = multiplier_t *
+    decay * (1 - momentum) * scale; LARS and LAMB groups take the decay as it is, plus ``adapt``."""
+    lr = step_lr(cfg, batch_size)
     mults = {"norm_bias": cfg.norm_bias_lr_mult, "whiten_bias": cfg.whiten_bias_lr_mult}
     groups = []
     for kind, params in classify(model).items():
         lr_mult = mults.get(kind, 1.0)
         one_d = kind != "weight"
         decay = 0.0 if (cfg.no_decay_bias_norm and one_d) else cfg.weight_decay
-        wd = decay / (cfg.lr * lr_mult) if lr_mult > 0 else 0.0
-        groups.append(dict(params=params, name=kind, lr=step_lr * lr_mult, base_lr=step_lr * lr_mult,
-                           lr_mult=lr_mult, weight_decay=wd))
-    return torch.optim.SGD(groups, lr=step_lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        group = dict(params=params, name=kind, lr=lr * lr_mult, base_lr=lr * lr_mult, lr_mult=lr_mult)
+        if cfg.name == "sgd":
+            group["weight_decay"] = decay / (cfg.lr * lr_mult) if lr_mult > 0 else 0.0
+        else:
+            group.update(weight_decay=decay, adapt=not one_d or cfg.adapt_bias_norm)
+        groups.append(group)
+    if cfg.name == "lars":
+        return LARS(groups, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                    trust_coefficient=cfg.trust_coefficient)
+    if cfg.name == "lamb":
+        return LAMB(groups, lr, betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
 
 
 def set_step_hyperparams(opt: torch.optim.Optimizer, lr_mult: float, momentum: float | None = None,
                          frozen: frozenset[str] = frozenset()) -> None:
     """Apply the schedule's multiplier (and momentum) for this step; groups named in
-    ``frozen`` get LR 0 (e.g. the whitening bias after its training epochs)."""
+    ``frozen`` get LR 0 (e.g. the whitening bias after its training epochs). Momentum is
+    set only in groups that have one (not LAMB's, whose betas stay fixed)."""
     for g in opt.param_groups:
         g["lr"] = 0.0 if g["name"] in frozen else g["base_lr"] * lr_mult
-        if momentum is not None:
+        if momentum is not None and "momentum" in g:
             g["momentum"] = momentum

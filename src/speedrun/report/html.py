@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.download import DataError
+from ..optim.params import step_lr
 from ..optim.schedule import lr_multipliers, momenta
 from ..recipe import recipe_from_dict
 from . import plots
@@ -40,9 +41,10 @@ def _ci(d: dict, scale=1.0, fmt=".3f") -> str:
 
 def _schedule_figure(config: dict, steps: int, epochs: float) -> bytes:
     recipe = recipe_from_dict(config)
-    step_lr = recipe.optim.lr * (1 - recipe.optim.momentum) * recipe.data.batch_size / recipe.optim.ref_batch
-    lrs = [m * step_lr for m in lr_multipliers(recipe.schedule, steps)]
-    return plots.schedule(lrs, momenta(recipe.schedule, recipe.optim.momentum, steps), max(1, round(steps / epochs)))
+    per_epoch = max(1, round(steps / epochs))
+    base = step_lr(recipe.optim, recipe.data.batch_size)
+    lrs = [m * base for m in lr_multipliers(recipe.schedule, steps, per_epoch)]
+    return plots.schedule(lrs, momenta(recipe.schedule, recipe.optim.momentum, steps), per_epoch)
 
 
 def _environment_facts(env: dict) -> list[tuple[str, str]]:

@@ -74,13 +74,18 @@ def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
 class RunRecord:
     """Writes one run's files into ``folder``."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, resume_history: list[dict] | None = None):
+        """``resume_history``: continuing a checkpointed run in its own folder, with the
+        epochs it had completed."""
         self.folder = Path(folder)
-        if (self.folder / "summary.json").exists() or (self.folder / "metrics.jsonl").exists():
+        if resume_history is None and ((self.folder / "summary.json").exists()
+                                       or (self.folder / "metrics.jsonl").exists()):
             raise RunFolderError(f"{self.folder} already holds a run; pass another --out folder "
                                  "(or remove that one) so that no record is overwritten")
+        if resume_history is not None and (self.folder / "summary.json").exists():
+            raise RunFolderError(f"{self.folder} holds a finished run; there is nothing to resume")
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._metrics: list[str] = []
+        self._metrics: list[str] = [json.dumps(h) for h in resume_history or []]
 
     def write_config(self, toml_text: str) -> None:
         atomic_write_text(self.folder / "config.toml", toml_text)

@@ -1,0 +1,173 @@
+"""Folders of images in the ImageNet layout, and decoding single images.
+
+``DIR/train/<class>/*.jpg`` with ``DIR/val/<class>/...``, or one ``DIR/<class>/...`` split
+into train and validation by a fraction with a fixed seed (stratified per class). Class
+names are the sub-folder names in sorted order, so the label of a class never depends on
+the order the file system lists it in.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .download import DataError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff"}
+JPEG_EXTENSIONS = {".jpg", ".jpeg"}
+
+try:                                       # libjpeg-turbo with DCT-domain down-scaling
+    import simplejpeg
+except ImportError:                        # pragma: no cover - Pillow is the fallback
+    simplejpeg = None
+
+
+@dataclass
+class ImageList:
+    """Image files (relative to ``root``) and their labels."""
+    root: Path
+    classes: list[str]
+    files: list[str]
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def path(self, i: int) -> Path:
+        return self.root / self.files[i]
+
+    def subset(self, idx: np.ndarray) -> "ImageList":
+        return ImageList(self.root, self.classes, [self.files[i] for i in idx], self.labels[idx])
+
+
+def scan(folder: Path, classes: list[str] | None = None) -> ImageList:
+    """Every image under ``folder/<class>/`` (recursively), labelled by class folder."""
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder. A folder dataset needs DIR/<class>/<images> or "
+                        "DIR/train/<class>/... and DIR/val/<class>/...")
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    classes = classes if classes is not None else found
+    if not classes:
+        raise DataError(f"{folder}: holds no class sub-folders; put each class's images in DIR/<class>/")
+    unknown = sorted(set(found) - set(classes))
+    if unknown:
+        raise DataError(f"{folder}: classes {unknown[:5]} are not among the training classes")
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        sub = folder / name
+        if not sub.is_dir():
+            continue
+        for p in sorted(sub.rglob("*")):
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
+                files.append(str(p.relative_to(folder)))
+                labels.append(label)
+    if not files:
+        raise DataError(f"{folder}: no images found (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return ImageList(folder, list(classes), files, np.asarray(labels, dtype=np.int64))
+
+
+def folder_splits(path: str | Path, val_fraction: float, seed: int) -> tuple[ImageList, ImageList]:
+    """(train, validation) image lists of a folder dataset."""
+    root = Path(path).expanduser()
+    if (root / "train").is_dir():
+        train = scan(root / "train")
+        val_dir = next((root / n for n in ("val", "validation", "test") if (root / n).is_dir()), None)
+        if val_dir is not None:
+            return train, scan(val_dir, train.classes)
+        if not val_fraction:
+            raise DataError(f"{root}: has train/ but no val/ (or test/); add one, or hold out part of "
+                            "train/ with --set data.val_fraction=0.1")
+        return split(train, val_fraction, seed)
+    whole = scan(root)
+    if not val_fraction:
+        raise DataError(f"{root}: has no train/ and val/ sub-folders; hold out a validation part with "
+                        "--set data.val_fraction=0.1 (a fixed, seeded split per class)")
+    return split(whole, val_fraction, seed)
+
+
+def split(images: ImageList, val_fraction: float, seed: int) -> tuple[ImageList, ImageList]:
+    """Stratified split: ``val_fraction`` of each class (at least one image) to validation."""
+    rng = np.random.default_rng(seed)
+    train_idx, val_idx = [], []
+    for label in range(len(images.classes)):
+        idx = np.flatnonzero(images.labels == label)
+        rng.shuffle(idx)
+        n_val = max(1, round(len(idx) * val_fraction)) if len(idx) > 1 else 0
+        val_idx.append(idx[:n_val])
+        train_idx.append(idx[n_val:])
+    return images.subset(np.sort(np.concatenate(train_idx))), images.subset(np.sort(np.concatenate(val_idx)))
+
+
+# ------------------------------------------------------------------------------------------
+# Decoding
+# ------------------------------------------------------------------------------------------
+
+def corrupt_error(path: Path, err: Exception) -> DataError:
+    return DataError(f"{path}: cannot decode this image ({type(err).__name__}: {err}). Replace or delete "
+                     "the file, or pass --set data.skip_corrupt=true to skip unreadable images")
+
+
+def read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise corrupt_error(path, err) from None
+
+
+def _is_jpeg(data: bytes, path: Path, decoder: str) -> bool:
+    return (decoder in ("auto", "simplejpeg") and simplejpeg is not None
+            and path.suffix.lower() in JPEG_EXTENSIONS and simplejpeg.is_jpeg(data))
+
+
+def header_size(data: bytes, path: Path, decoder: str = "auto") -> tuple[int, int]:
+    """(height, width) from the file header, without decoding the pixels."""
+    try:
+        if _is_jpeg(data, path, decoder):
+            return tuple(simplejpeg.decode_jpeg_header(data)[:2])
+        with Image.open(io.BytesIO(data)) as im:
+            return im.size[1], im.size[0]
+    except (OSError, ValueError, UnidentifiedImageError, SyntaxError) as err:
+        raise corrupt_error(path, err) from None
+
+
+def decode(data: bytes, path: Path, channels: int, min_hw: tuple[int, int] = (0, 0),
+           decoder: str = "auto") -> np.ndarray:
+    """Decode image bytes to a uint8 array (H, W, channels).
+
+    ``min_hw`` lets JPEG decoders down-scale in the DCT domain (by 1/2, 1/4 or 1/8) while
+    keeping at least that many rows and columns: much cheaper than decoding the full image
+    and resizing it afterwards."""
+    try:
+        if _is_jpeg(data, path, decoder):
+            img = simplejpeg.decode_jpeg(data, colorspace="RGB" if channels == 3 else "GRAY", fastdct=True,
+                                         fastupsample=True, min_height=min_hw[0], min_width=min_hw[1])
+        else:
+            with Image.open(io.BytesIO(data)) as im:
+                if im.format == "JPEG" and min_hw[0] and min_hw[1]:
+                    im.draft("RGB" if channels == 3 else "L", (min_hw[1], min_hw[0]))
+                img = np.asarray(im.convert("RGB" if channels == 3 else "L"))
+    except (OSError, ValueError, UnidentifiedImageError, SyntaxError) as err:
+        raise corrupt_error(path, err) from None
+    return img if img.ndim == 3 else img[:, :, None]
+
+
+def probe(images: ImageList, n: int = 64, seed: int = 0) -> dict:
+    """Sizes and channels of a sample of the images, to choose defaults from the data."""
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(images), size=min(n, len(images)), replace=False)
+    sizes, modes = [], set()
+    for i in idx:
+        try:
+            with Image.open(images.path(int(i))) as im:
+                sizes.append(im.size)
+                modes.add(im.mode)
+        except (OSError, UnidentifiedImageError, SyntaxError):
+            continue
+    if not sizes:
+        raise DataError(f"{images.root}: none of {len(idx)} sampled images could be read")
+    shorter = sorted(min(s) for s in sizes)
+    grey = modes <= {"L", "1", "I;16", "I"}
+    return {"median_shorter_side": shorter[len(shorter) // 2], "channels": 1 if grey else 3}

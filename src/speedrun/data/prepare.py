@@ -1,0 +1,163 @@
+"""``speedrun data prepare`` and ``speedrun data export``.
+
+prepare: decode an image folder once into a fixed-resolution uint8 ``.npz`` (members
+stored uncompressed, so training memory-maps them), so that sets such as downsampled
+ImageNet or Tiny-ImageNet train through the device-resident path.
+
+export: write a built-in dataset as an image folder in the ImageNet layout, for trying
+the folder pipeline on known data.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from rich.progress import Progress
+
+from .download import DataError
+from .folder import ImageList, folder_splits, probe
+from .sources import load_dataset
+from .stream import ImageItems, default_workers
+
+_items: ImageItems | None = None
+
+
+def _init_worker(items: ImageItems) -> None:
+    global _items
+    _items = items
+
+
+def _decode_one(args):
+    i, size = args
+    out = _items[(i, size, 0)]
+    return i, (None if out is None else out[0].numpy())
+
+
+def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,
+                  scratch: Path, label: str) -> tuple[np.ndarray, np.ndarray]:
+    """Decode a split into a scratch memmap; returns (images, kept labels)."""
+    items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, "auto", skip_corrupt, 0)
+    arr = np.lib.format.open_memmap(scratch / f"{label}.npy", mode="w+", dtype=np.uint8,
+                                    shape=(len(images), channels, size, size))
+    kept = np.ones(len(images), dtype=bool)
+    jobs = [(i, size) for i in range(len(images))]
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"decoding {label}", total=len(jobs))
+        if workers > 0:
+            ctx = mp.get_context("fork")
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(items,)) as pool:
+                results = pool.imap_unordered(_decode_one, jobs, chunksize=64)
+                for i, x in results:
+                    _store(arr, kept, i, x)
+                    bar.advance(task)
+        else:
+            _init_worker(items)
+            for job in jobs:
+                _store(arr, kept, *_decode_one(job))
+                bar.advance(task)
+    arr.flush()
+    return arr, kept
+
+
+def _store(arr, kept, i, x) -> None:
+    if x is None:
+        kept[i] = False
+    else:
+        arr[i] = x
+
+
+def _write_member(zf: zipfile.ZipFile, name: str, arr: np.ndarray, rows: np.ndarray | None = None) -> None:
+    """Write one .npy member uncompressed, streaming rows so nothing is held whole in memory."""
+    shape = (int(rows.sum()) if rows is not None else arr.shape[0], *arr.shape[1:])
+    header = {"descr": np.lib.format.dtype_to_descr(arr.dtype), "fortran_order": False, "shape": shape}
+    with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_2_0(f, header)
+        idx = np.flatnonzero(rows) if rows is not None else np.arange(arr.shape[0])
+        for start in range(0, len(idx), 4096):
+            f.write(np.ascontiguousarray(arr[idx[start:start + 4096]]).tobytes())
+
+
+def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0.0, seed: int = 0,
+            workers: int = -1, skip_corrupt: bool = False) -> dict:
+    out = Path(out)
+    if out.exists():
+        raise DataError(f"{out} already exists; choose another --out or remove it")
+    if size < 8:
+        raise DataError(f"--size {size}: too small; give the side of the square images in pixels (>= 8)")
+    train, val = folder_splits(src, val_fraction, seed)
+    channels = probe(train)["channels"]
+    workers = default_workers(workers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        x_train, keep_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch, "train")
+        x_val, keep_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val")
+        tmp = scratch / "out.npz"
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            _write_member(zf, "x_train", x_train, keep_train)
+            _write_member(zf, "y_train", train.labels[keep_train])
+            _write_member(zf, "x_test", x_val, keep_val)
+            _write_member(zf, "y_test", val.labels[keep_val])
+            _write_member(zf, "classes", np.asarray(train.classes))
+        del x_train, x_val
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": str(out), "train": int(keep_train.sum()), "test": int(keep_val.sum()),
+            "skipped": int((~keep_train).sum() + (~keep_val).sum()), "classes": len(train.classes),
+            "size": size, "channels": channels}
+
+
+# ------------------------------------------------------------------------------------------
+def _safe(name: str) -> str:
+    return name.replace("/", "-").replace("\\", "-")
+
+
+def _write_image(args) -> None:
+    path, img, fmt, quality = args
+    im = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
+    if fmt == "jpeg":
+        im.save(path, format="JPEG", quality=quality)
+    else:
+        im.save(path, format="PNG", compress_level=1)
+
+
+def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 95, workers: int = -1,
+           limit: int | None = None) -> dict:
+    """Write a built-in dataset as DIR/train/<class>/NNNNN.ext and DIR/val/<class>/NNNNN.ext
+    (``limit``: only the first that many images of each split)."""
+    if fmt not in ("png", "jpeg"):
+        raise DataError(f"--format {fmt!r}: use png or jpeg")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} exists and is not empty; choose another --out")
+    ds = load_dataset(name, data_dir)
+    ext = "png" if fmt == "png" else "jpg"
+    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=f".{out.name}-"))
+    jobs = []
+    for split, x, y in (("train", ds.train_x, ds.train_y), ("val", ds.test_x, ds.test_y)):
+        for c in ds.classes:
+            (staging / split / _safe(c)).mkdir(parents=True, exist_ok=True)
+        xs, ys = x.numpy(), y.numpy()
+        jobs += [(staging / split / _safe(ds.classes[ys[i]]) / f"{i:05d}.{ext}", xs[i], fmt, quality)
+                 for i in range(min(len(ys), limit or len(ys)))]
+    try:
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"writing {name} as {fmt}", total=len(jobs))
+            with mp.get_context("fork").Pool(default_workers(workers) or 1) as pool:
+                for _ in pool.imap_unordered(_write_image, jobs, chunksize=256):
+                    bar.advance(task)
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    n = lambda total: min(total, limit or total)
+    return {"out": str(out), "train": n(len(ds.train_y)), "val": n(len(ds.test_y)), "classes": ds.classes,
+            "format": fmt}

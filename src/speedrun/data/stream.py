@@ -1,0 +1,195 @@
+"""The streamed input pipeline, for image folders too large to keep on the device.
+
+Worker processes (a torch DataLoader: persistent, pinned memory) read and decode files,
+cutting the training crop in the decoder where it can (DCT down-scaling of JPEGs), and
+hand over uint8 batches. Everything else happens once per batch on the device: moving
+the uint8 batch (a quarter of the bytes of float32), normalising, flips, translation,
+colour jitter and lighting noise.
+
+Every random choice is a function of (seed, epoch, image index), so the data order and
+the crops do not depend on which worker handled which image, and a resumed run sees
+exactly the batches an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .download import DataError
+from .folder import ImageList, decode, header_size, read_bytes
+
+
+def default_workers(requested: int) -> int:
+    return min(8, os.cpu_count() or 1) if requested < 0 else requested
+
+
+def _to_pil(img: np.ndarray) -> Image.Image:
+    return Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img)
+
+
+def _chw(img: Image.Image, channels: int) -> torch.Tensor:
+    arr = np.asarray(img)
+    arr = arr[:, :, None] if arr.ndim == 2 else arr
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+class ImageItems(Dataset):
+    """Items are keyed by (index, size, epoch): the sampler tells each worker the size of
+    this epoch's crops (for progressive resizing) and the epoch (for the random stream)."""
+
+    def __init__(self, images: ImageList, channels: int, train: bool, crop: str, rrc_scale, rrc_ratio,
+                 eval_crop: float, decoder: str, skip_corrupt: bool, seed: int):
+        self.images, self.channels, self.train, self.crop = images, channels, train, crop
+        self.rrc_scale, self.rrc_ratio, self.eval_crop = rrc_scale, rrc_ratio, eval_crop
+        self.decoder, self.skip_corrupt, self.seed = decoder, skip_corrupt, seed
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key):
+        i, size, epoch = key
+        path = self.images.path(i)
+        try:
+            data = read_bytes(path)
+            if self.train and self.crop == "random_resized":
+                x = self._random_resized(data, path, size, epoch, i)
+            else:
+                x = self._resize_centre(data, path, size, self.eval_crop if not self.train else 1.0)
+        except DataError:
+            if self.skip_corrupt:
+                return None
+            raise
+        return x, int(self.images.labels[i]), i
+
+    def _random_resized(self, data: bytes, path, size: int, epoch: int, i: int) -> torch.Tensor:
+        from .augment_extra import sample_rrc_boxes
+        h, w = header_size(data, path, self.decoder)
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence((self.seed, epoch, i)).generate_state(1)[0]))
+        top, left, ch, cw = sample_rrc_boxes(1, h, w, self.rrc_scale, self.rrc_ratio, gen, "cpu")[0].tolist()
+        factor = min(ch, cw) / size                     # how much the decoder may shrink
+        min_hw = (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
+        img = decode(data, path, self.channels, min_hw, self.decoder)
+        sy, sx = img.shape[0] / h, img.shape[1] / w
+        box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+        return _chw(_to_pil(img).resize((size, size), Image.BILINEAR, box=box), self.channels)
+
+    def _resize_centre(self, data: bytes, path, size: int, crop: float) -> torch.Tensor:
+        h, w = header_size(data, path, self.decoder)
+        short = size / crop                             # shorter side before the centre crop
+        factor = min(h, w) / short
+        min_hw = (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
+        img = decode(data, path, self.channels, min_hw, self.decoder)
+        h2, w2 = img.shape[:2]
+        side = min(h2, w2) * crop
+        top, left = (h2 - side) / 2, (w2 - side) / 2
+        return _chw(_to_pil(img).resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side)),
+                    self.channels)
+
+
+def collate(items):
+    kept = [it for it in items if it is not None]
+    skipped = len(items) - len(kept)
+    if not kept:
+        return None, None, None, skipped
+    x = torch.stack([it[0] for it in kept])
+    y = torch.tensor([it[1] for it in kept], dtype=torch.int64)
+    idx = torch.tensor([it[2] for it in kept], dtype=torch.int64)
+    return x, y, idx, skipped
+
+
+class EpochSampler(Sampler):
+    """Batches of (index, size, epoch): a seeded permutation per epoch for training (last
+    partial batch dropped), the natural order for evaluation; ``skip`` leaves out batches
+    already trained on before a resume."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, train: bool, size: int):
+        self.n, self.batch_size, self.seed, self.train = n, batch_size, seed, train
+        self.epoch, self.size, self.skip = 0, size, 0
+
+    def set_epoch(self, epoch: int, size: int, skip: int = 0) -> None:
+        self.epoch, self.size, self.skip = epoch, size, skip
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size if self.train else math.ceil(self.n / self.batch_size)
+
+    def __iter__(self):
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(self.n) if self.train else np.arange(self.n)
+        for b in range(self.skip, len(self)):
+            yield [(int(i), self.size, self.epoch) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+
+
+def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: int = 1000,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std (0..255 units) of centre crops of up to ``n`` training images."""
+    items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, decoder, True, seed)
+    idx = np.random.default_rng(seed).choice(len(images), size=min(n, len(images)), replace=False)
+    xs = [items[(int(i), size, 0)] for i in idx]
+    x = torch.stack([it[0] for it in xs if it is not None]).float()
+    return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
+
+
+class StreamedData:
+    """Train and validation loaders for a folder dataset, yielding normalised device batches."""
+
+    def __init__(self, train: ImageList, val: ImageList, channels: int, size: int, cfg, augment_cfg,
+                 runtime, seed: int, mean: torch.Tensor, std: torch.Tensor, batch_size: int, eval_batch: int):
+        self.device, self.dtype, self.memory_format = runtime.device, runtime.dtype, runtime.memory_format
+        self.image_size = (size, size)
+        self.n_train, self.n_test = len(train), len(val)
+        self.translate = augment_cfg.translate if augment_cfg.crop == "translate" else 0
+        self.mean = mean.to(self.device)[:, None, None]
+        self.std = std.to(self.device)[:, None, None]
+        self.skipped = 0
+        workers = default_workers(cfg.workers)
+        common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
+                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+        item_args = (channels,)
+        self.train_items = ImageItems(train, *item_args, True, augment_cfg.crop, augment_cfg.rrc_scale,
+                                      augment_cfg.rrc_ratio, cfg.eval_crop, cfg.decoder, cfg.skip_corrupt, seed)
+        self.val_items = ImageItems(val, *item_args, False, "translate", (1, 1), (1, 1), cfg.eval_crop,
+                                    cfg.decoder, cfg.skip_corrupt, seed)
+        self.train_sampler = EpochSampler(len(train), batch_size, seed, True, size)
+        self.val_sampler = EpochSampler(len(val), eval_batch, seed, False, size)
+        self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **common)
+        self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **common)
+
+    def _to_device(self, x_u8: torch.Tensor) -> torch.Tensor:
+        x = x_u8.to(self.device, non_blocking=True).float()
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    def epoch(self, epoch: int, batch_size: int, augment, generator, size: int | None = None,
+              skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from .augment import reflect_pad
+        if batch_size != self.train_sampler.batch_size:
+            raise ValueError("the streamed loader was built for another batch size")
+        self.train_sampler.set_epoch(epoch, size or self.image_size[0], skip)
+        draws = augment.draw(epoch)
+        for x_u8, y, idx, skipped in self.train_loader:
+            self.skipped += skipped
+            if x_u8 is None:
+                continue
+            x = reflect_pad(self._to_device(x_u8), self.translate)
+            x = augment(x, idx.to(self.device, non_blocking=True), draws)
+            yield x.contiguous(memory_format=self.memory_format), y.to(self.device, non_blocking=True)
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for x_u8, y, _, skipped in self.val_loader:
+            self.skipped += skipped
+            if x_u8 is not None:
+                yield (self._to_device(x_u8).contiguous(memory_format=self.memory_format),
+                       y.to(self.device, non_blocking=True))
+
+    def whitening_sample(self, n: int) -> torch.Tensor:
+        """Centre crops of the first ``n`` training images, normalised (float32)."""
+        items = ImageItems(self.train_items.images, self.train_items.channels, False, "translate", (1, 1), (1, 1),
+                           1.0, self.train_items.decoder, self.train_items.skip_corrupt, self.train_items.seed)
+        sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
+        loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
+                            collate_fn=collate)
+        return torch.cat([self._to_device(x).float() for x, _, _, _ in loader if x is not None])

@@ -1,0 +1,62 @@
+"""The largest batch that fits: try a training step at ``data.batch_size``; on out-of-memory
+halve it and try again. The LR and weight decay follow by the recipe's own rule
+(``optim.lr_scaling`` from ``optim.ref_batch``), so the recipe keeps its meaning."""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn.functional as F
+
+from ..optim.params import step_lr
+from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+def _try_step(model, forward, runtime, batch: int, in_channels: int, size: int, classes: int) -> None:
+    x = torch.randn(batch, in_channels, size, size, device=runtime.device, dtype=runtime.dtype)
+    y = torch.randint(0, classes, (batch,), device=runtime.device)
+    with runtime.autocast():
+        loss = F.cross_entropy(forward(x.contiguous(memory_format=runtime.memory_format)).float(), y)
+    loss.backward()
+    runtime.synchronize()
+    model.zero_grad(set_to_none=True)
+
+
+def fit_batch(recipe: Recipe, model, forward, runtime, in_channels: int, size: int, classes: int,
+              say=print) -> Recipe:
+    """The recipe with the largest data.batch_size (halving from the recipe's) that trains."""
+    batch = recipe.data.batch_size
+    k = recipe.train.accumulate
+    ghost = recipe.model.norm.ghost_batch
+    saved = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    while True:
+        try:
+            _try_step(model, forward, runtime, -(-batch // k), in_channels, size, classes)
+            break
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not is_out_of_memory(err):
+                raise
+            del err
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if runtime.device.type == "cuda":
+                torch.cuda.empty_cache()
+            smaller = batch // 2
+            if smaller < k or (ghost and (smaller // k) % ghost):
+                raise RecipeError(f"out of memory even at data.batch_size={batch} on {runtime.device} "
+                                  "(the finder cannot halve further); use a smaller model or image size") from None
+            batch = smaller
+    model.load_state_dict(saved)
+    if batch == recipe.data.batch_size:
+        return recipe
+    new = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]), source=recipe.name)
+    say(f"data.batch_size={recipe.data.batch_size} ran out of memory on {runtime.device}; using {batch}. "
+        f"Per-step LR {step_lr(recipe.optim, recipe.data.batch_size):.4g} -> {step_lr(new.optim, batch):.4g} "
+        f"({recipe.optim.lr_scaling} scaling from optim.ref_batch={recipe.optim.ref_batch})")
+    return new

@@ -1,0 +1,106 @@
+"""One optimizer step: the loss (label smoothing, mixup/CutMix targets, distillation) and
+the backward pass over micro-batches, with fp16 loss scaling where needed.
+
+Gradient accumulation splits each batch into ``train.accumulate`` micro-batches and weights
+each micro-batch's mean loss by its share of the batch, so the summed gradient equals the
+full batch's for any split, uneven ones included (only batch-norm statistics differ).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..data.augment_extra import mix_batch, mixed_loss
+from ..recipe import Recipe
+from .runtime import Runtime
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hinton et al. (2015): KL(teacher || student) of temperature-softened distributions,
+    times T^2 so gradients keep their scale as T changes."""
+    t = temperature
+    return F.kl_div(F.log_softmax(student / t, dim=1), F.log_softmax(teacher / t, dim=1),
+                    reduction="batchmean", log_target=True) * t * t
+
+
+def backward_in_micro_batches(forward, x: torch.Tensor, targets: tuple, k: int, loss_fn,
+                              scale=lambda loss: loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward over ``k`` micro-batches of (x, *targets); returns (mean loss, logits) of the
+    whole batch, detached. ``loss_fn(logits, x_micro, *targets_micro)`` returns a mean loss."""
+    n = len(x)
+    total, outputs = None, []
+    for i, xm in enumerate(x.tensor_split(k)):
+        tm = [t.tensor_split(k)[i] if isinstance(t, torch.Tensor) else t for t in targets]
+        logits = forward(xm)
+        loss = loss_fn(logits, xm, *tm) * (len(xm) / n)
+        scale(loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        outputs.append(logits.detach())
+    return total, torch.cat(outputs)
+
+
+def load_teacher(path: str | Path, device: torch.device) -> nn.Module:
+    """A teacher model from a run's ``model.pt`` and the ``config.toml`` beside it."""
+    from ..data.download import DataError
+    from ..models import build_model
+    from ..recipe import load_recipe
+    path = Path(path).expanduser()
+    config = path.parent / "config.toml"
+    if not path.is_file() or not config.is_file():
+        raise DataError(f"distill.teacher={path}: needs the teacher's model.pt with its run's config.toml beside it")
+    teacher_recipe = load_recipe(str(config))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    classes = next(v.shape[0] for v in reversed(state.values()) if v.ndim == 2)      # the linear head
+    in_channels = next(v.shape[1] for v in state.values() if v.ndim == 4)             # the first conv
+    model = build_model(teacher_recipe.model, in_channels, classes)
+    model.load_state_dict(state)
+    return model.to(device).eval().requires_grad_(False)
+
+
+class Objective:
+    """Computes and back-propagates the recipe's loss for a batch."""
+
+    def __init__(self, recipe: Recipe, runtime: Runtime, forward, teacher: nn.Module | None = None):
+        self.r, self.rt, self.forward, self.teacher = recipe, runtime, forward, teacher
+        a = recipe.augment
+        self.mixing = a.mixup > 0 or a.cutmix > 0
+        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.precision == "fp16")
+
+    def _loss(self, logits, x, y, y_partner, lam):
+        r = self.r
+        logits = logits.float()
+        loss = mixed_loss(logits, y, y_partner, lam, r.train.label_smoothing) if self.mixing else \
+            F.cross_entropy(logits, y, label_smoothing=r.train.label_smoothing)
+        if self.teacher is not None:
+            with torch.no_grad(), self.rt.autocast():
+                t_logits = self.teacher(x).float()
+            d = r.distill
+            loss = (1 - d.alpha) * loss + d.alpha * distillation_loss(logits, t_logits, d.temperature)
+        return loss
+
+    def step(self, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward and optimizer step; returns (loss, correct count) on the device."""
+        a = self.r.augment
+        if self.mixing:
+            x, y, y_partner, lam = mix_batch(x, y, a.mixup, a.cutmix, a.mix_prob, rng)
+        else:
+            y_partner, lam = y, 1.0
+
+        def forward(xm):
+            with self.rt.autocast():
+                return self.forward(xm)
+
+        loss, logits = backward_in_micro_batches(forward, x, (y, y_partner, lam), self.r.train.accumulate,
+                                                 self._loss, self.scaler.scale)
+        if self.scaler.is_enabled():
+            self.scaler.step(opt)             # skips the step (and lowers the scale) on inf/NaN
+            self.scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss, (logits.argmax(1) == y).sum()

@@ -1,0 +1,125 @@
+"""LARS and LAMB: layer-wise adaptive optimizers for large batches.
+
+Both rescale the step of each parameter tensor by a trust ratio made from the tensor's weight
+norm and the norm of its step, so every layer moves by a similar fraction of its own size and
+a large batch (with its large LR) does not blow up the layers whose gradients are large.
+
+- ``LARS`` (You, Gitman & Ginsburg 2017): momentum SGD with L2 decay. With ``d = g + wd·w`` and
+  ``trust = eta·‖w‖ / (‖g‖ + wd·‖w‖)``, the buffer is ``v = momentum·v + trust·d`` and the step
+  ``w -= lr·v`` (Nesterov: ``w -= lr·(trust·d + momentum·v)``).
+- ``LAMB`` (You et al. 2019): ``r = m̂ / (sqrt(v̂) + eps) + wd·w`` from bias-corrected Adam
+  moments, ``trust = ‖w‖ / ‖r‖`` and ``w -= lr·trust·r``.
+
+In both, a group's ``lr`` is the per-step rate and ``weight_decay`` is the coefficient ``wd``
+of the published formula (so the decay actually applied scales with ``lr`` and the trust
+ratio). A group with ``adapt=False`` uses trust 1: momentum SGD with L2 decay (LARS) or AdamW
+(LAMB), as is usual for biases and batch-norm parameters. Trust is also 1 for a tensor whose
+weight norm or step norm is 0, so zero-initialised tensors can start moving.
+
+Each group's norms are taken in one ``torch._foreach_norm`` call for the weights and one for
+the steps, and the trust ratios stay on the device: a step never waits for the host.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """The L2 norm of each tensor, as one 1-D tensor."""
+    return torch.stack(torch._foreach_norm(tensors))
+
+
+class LARS(torch.optim.Optimizer):
+    """Momentum SGD whose step for each tensor is scaled by eta·‖w‖ / (‖g‖ + wd·‖w‖)."""
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, nesterov: bool = False,
+                 weight_decay: float = 0.0, trust_coefficient: float = 0.001, adapt: bool = True):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, adapt=adapt))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self._buffer(p) for p in params]
+            wd, momentum = group["weight_decay"], group["momentum"]
+            d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
+            if group["adapt"]:
+                w_norm, g_norm = _norms(params), _norms(grads)
+                ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
+                trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+                d = torch._foreach_mul(d, trust.unbind())
+            # the buffer starts at zero, so its first value is exactly trust·d
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, d)
+            update = torch._foreach_add(d, bufs, alpha=momentum) if group["nesterov"] else bufs
+            torch._foreach_add_(params, update, alpha=-group["lr"])
+        return loss
+
+    def _buffer(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+
+class LAMB(torch.optim.Optimizer):
+    """Adam with decay added to its direction r, and each tensor's step scaled by ‖w‖ / ‖r‖."""
+
+    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, adapt: bool = True):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            states = [self._moments(p) for p in params]
+            beta1, beta2 = group["betas"]
+            m = [s["exp_avg"] for s in states]
+            v = [s["exp_avg_sq"] for s in states]
+            for s in states:
+                s["step"] += 1                          # a host-side int: no device sync
+            torch._foreach_lerp_(m, grads, 1 - beta1)      # m = beta1·m + (1 - beta1)·g
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+            # r = (m / bc1) / (sqrt(v / bc2) + eps), with bc = 1 - beta**step
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** s["step"]) for s in states])
+            torch._foreach_add_(denom, group["eps"])
+            r = torch._foreach_div(m, denom)
+            torch._foreach_div_(r, [1 - beta1 ** s["step"] for s in states])
+            if group["weight_decay"]:
+                torch._foreach_add_(r, params, alpha=group["weight_decay"])
+            if group["adapt"]:
+                w_norm, r_norm = _norms(params), _norms(r)
+                trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+                torch._foreach_mul_(r, trust.unbind())
+            torch._foreach_add_(params, r, alpha=-group["lr"])
+        return loss
+
+    def _moments(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
