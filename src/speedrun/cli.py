@@ -61,6 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
     p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
+
+    data = sub.add_parser("data", help="prepare an image folder as arrays, or export a built-in set as a folder")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    p = dsub.add_parser("prepare", help="decode an image folder once into a fixed-size uint8 .npz (memory-mapped)")
+    p.add_argument("src", help="image folder (train/ and val/, or one folder to split)")
+    p.add_argument("--size", type=int, required=True, help="side of the square images, in pixels")
+    p.add_argument("--out", type=Path, required=True, help="the .npz file to write")
+    p.add_argument("--val-fraction", type=float, default=0.0, help="held-out fraction when there is no val/")
+    p.add_argument("--seed", type=int, default=0, help="seed of that split")
+    p.add_argument("--workers", type=int, default=-1, help="decoding processes (default: one per core, at most 8)")
+    p.add_argument("--skip-corrupt", action="store_true", help="skip unreadable images instead of stopping")
+    p = dsub.add_parser("export", help="write a built-in dataset as train/<class>/ and val/<class>/ images")
+    p.add_argument("dataset", choices=["cifar10", "cifar100", "fashion-mnist"])
+    p.add_argument("--format", choices=["png", "jpeg"], default="png")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    p.add_argument("--limit", type=int, help="only the first N images of each split")
+    p.add_argument("--data-dir", help="where the dataset is (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
     return parser
 
 
@@ -83,8 +101,23 @@ def dispatch(args) -> int:
     if args.command == "recipes":
         from .train import recipes_command
         return recipes_command(args)
+    if args.command == "data":
+        return data_command(args)
     from .bench import commands
     return getattr(commands, f"{args.command}_command")(args)
+
+
+def data_command(args) -> int:
+    from .data.prepare import export, prepare
+    from .report.console import print_table
+    if args.data_command == "prepare":
+        out = prepare(args.src, args.size, args.out, args.val_fraction, args.seed, args.workers, args.skip_corrupt)
+        print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
+    else:
+        out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit)
+        print_table(f"exported {args.dataset}", [(k, str(v) if k != "classes" else str(len(v)))
+                                                  for k, v in out.items()])
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ class Section(BaseModel):
 
 class DataConfig(Section):
     dataset: Literal["cifar10", "cifar100", "fashion-mnist", "folder", "npz"]
-    batch_size: int = Field(gt=0, description="training examples per optimizer step")
+    batch_size: int = Field(0, ge=0, description="training examples per optimizer step (over all devices)")
+    per_device_batch: int = Field(0, ge=0, description="instead of batch_size: this many per device, times "
+                                  "the number of devices")
     path: str | None = Field(None, description="the image folder or .npz file (folder and npz datasets; "
                              "--data-dir gives it too)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="folder without val/: fraction held out")
@@ -49,6 +51,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
+        if bool(self.batch_size) == bool(self.per_device_batch):
+            raise ValueError("give exactly one of data.batch_size and data.per_device_batch")
         if self.progressive is not None:
             fracs = [f for f, _ in self.progressive]
             if not fracs or fracs[0] != 0 or any(b <= a for a, b in zip(fracs, fracs[1:])) or fracs[-1] >= 1:
@@ -278,6 +282,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        if not self.data.batch_size:            # per_device_batch: checked once the device count is known
+            return self
         gb = self.model.norm.ghost_batch
         micro = self.data.batch_size // self.train.accumulate
         if gb and (self.data.batch_size % self.train.accumulate or micro % gb):

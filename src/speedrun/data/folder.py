@@ -74,6 +74,8 @@ def folder_splits(path: str | Path, val_fraction: float, seed: int) -> tuple[Ima
     root = Path(path).expanduser()
     if (root / "train").is_dir():
         train = scan(root / "train")
+        if (root / "val" / "val_annotations.txt").is_file():
+            return train, annotated(root / "val", train.classes)
         val_dir = next((root / n for n in ("val", "validation", "test") if (root / n).is_dir()), None)
         if val_dir is not None:
             return train, scan(val_dir, train.classes)
@@ -86,6 +88,24 @@ def folder_splits(path: str | Path, val_fraction: float, seed: int) -> tuple[Ima
         raise DataError(f"{root}: has no train/ and val/ sub-folders; hold out a validation part with "
                         "--set data.val_fraction=0.1 (a fixed, seeded split per class)")
     return split(whole, val_fraction, seed)
+
+
+def annotated(folder: Path, classes: list[str]) -> ImageList:
+    """Tiny-ImageNet's validation layout: images/ plus val_annotations.txt (file, class, box)."""
+    index = {c: i for i, c in enumerate(classes)}
+    files, labels = [], []
+    for n, line in enumerate((folder / "val_annotations.txt").read_text().splitlines(), 1):
+        parts = line.split("\t")
+        if len(parts) < 2:
+            continue
+        if parts[1] not in index:
+            raise DataError(f"{folder / 'val_annotations.txt'}: line {n} names class {parts[1]!r}, "
+                            "which has no folder under train/")
+        files.append(str(Path("images") / parts[0]))
+        labels.append(index[parts[1]])
+    if not files:
+        raise DataError(f"{folder / 'val_annotations.txt'}: no annotations")
+    return ImageList(folder, classes, files, np.asarray(labels, dtype=np.int64))
 
 
 def split(images: ImageList, val_fraction: float, seed: int) -> tuple[ImageList, ImageList]:
@@ -106,8 +126,9 @@ def split(images: ImageList, val_fraction: float, seed: int) -> tuple[ImageList,
 # ------------------------------------------------------------------------------------------
 
 def corrupt_error(path: Path, err: Exception) -> DataError:
-    return DataError(f"{path}: cannot decode this image ({type(err).__name__}: {err}). Replace or delete "
-                     "the file, or pass --set data.skip_corrupt=true to skip unreadable images")
+    why = "not a recognised image format" if isinstance(err, UnidentifiedImageError) else f"{type(err).__name__}: {err}"
+    return DataError(f"{path}: cannot decode this image ({why}). Replace or delete the file, or skip "
+                     "unreadable images (train: --set data.skip_corrupt=true; data prepare: --skip-corrupt)")
 
 
 def read_bytes(path: Path) -> bytes:

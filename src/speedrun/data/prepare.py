@@ -23,7 +23,7 @@ from rich.progress import Progress
 from .download import DataError
 from .folder import ImageList, folder_splits, probe
 from .sources import load_dataset
-from .stream import ImageItems, default_workers
+from .stream import ImageItems, Unreadable, default_workers
 
 _items: ImageItems | None = None
 
@@ -36,6 +36,8 @@ def _init_worker(items: ImageItems) -> None:
 def _decode_one(args):
     i, size = args
     out = _items[(i, size, 0)]
+    if isinstance(out, Unreadable):
+        raise DataError(str(out))
     return i, (None if out is None else out[0].numpy())
 
 

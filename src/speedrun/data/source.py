@@ -8,6 +8,7 @@ here from a sample of the images, and written back into the recipe so the run's
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,25 @@ def resolve_from_data(recipe: Recipe, median_side: int | None) -> Recipe:
     return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=recipe.name)
 
 
+def device_count() -> int:
+    """Devices taking part in training: the torch.distributed world, else $WORLD_SIZE, else 1."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_batch(recipe: Recipe) -> Recipe:
+    """data.per_device_batch -> data.batch_size for the devices at hand."""
+    per = recipe.data.per_device_batch
+    if not per:
+        return recipe
+    return recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={per * device_count()}",
+                                                               "data.per_device_batch=0"]), source=recipe.name)
+
+
 def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | FolderSource]:
     """(the recipe with data-derived values filled in, the dataset)."""
+    recipe = resolve_batch(recipe)
     d = recipe.data
     if d.dataset in ("folder", "npz") and not d.path:
         if not data_dir:

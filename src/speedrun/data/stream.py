@@ -61,10 +61,9 @@ class ImageItems(Dataset):
                 x = self._random_resized(data, path, size, epoch, i)
             else:
                 x = self._resize_centre(data, path, size, self.eval_crop if not self.train else 1.0)
-        except DataError:
-            if self.skip_corrupt:
-                return None
-            raise
+        except DataError as err:
+            # reported from the main process (a worker's exception arrives wrapped in its traceback)
+            return None if self.skip_corrupt else Unreadable(str(err))
         return x, int(self.images.labels[i]), i
 
     def _random_resized(self, data: bytes, path, size: int, epoch: int, i: int) -> torch.Tensor:
@@ -92,7 +91,14 @@ class ImageItems(Dataset):
                     self.channels)
 
 
+class Unreadable(str):
+    """The error message of an image a worker could not decode."""
+
+
 def collate(items):
+    failed = next((it for it in items if isinstance(it, Unreadable)), None)
+    if failed is not None:
+        return failed, None, None, 0
     kept = [it for it in items if it is not None]
     skipped = len(items) - len(kept)
     if not kept:
@@ -130,7 +136,7 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
     items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, decoder, True, seed)
     idx = np.random.default_rng(seed).choice(len(images), size=min(n, len(images)), replace=False)
     xs = [items[(int(i), size, 0)] for i in idx]
-    x = torch.stack([it[0] for it in xs if it is not None]).float()
+    x = torch.stack([it[0] for it in xs if it is not None and not isinstance(it, Unreadable)]).float()
     return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
 
 
@@ -174,6 +180,8 @@ class StreamedData:
             self.skipped += skipped
             if x_u8 is None:
                 continue
+            if isinstance(x_u8, Unreadable):
+                raise DataError(str(x_u8))
             x = reflect_pad(self._to_device(x_u8), self.translate)
             x = augment(x, idx.to(self.device, non_blocking=True), draws)
             yield x.contiguous(memory_format=self.memory_format), y.to(self.device, non_blocking=True)
@@ -181,6 +189,8 @@ class StreamedData:
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for x_u8, y, _, skipped in self.val_loader:
             self.skipped += skipped
+            if isinstance(x_u8, Unreadable):
+                raise DataError(str(x_u8))
             if x_u8 is not None:
                 yield (self._to_device(x_u8).contiguous(memory_format=self.memory_format),
                        y.to(self.device, non_blocking=True))
@@ -192,4 +202,10 @@ class StreamedData:
         sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
                             collate_fn=collate)
-        return torch.cat([self._to_device(x).float() for x, _, _, _ in loader if x is not None])
+        batches = []
+        for x, _, _, _ in loader:
+            if isinstance(x, Unreadable):
+                raise DataError(str(x))
+            if x is not None:
+                batches.append(self._to_device(x).float())
+        return torch.cat(batches)

@@ -1,0 +1,169 @@
+"""Image folders, .npz arrays, prepare/export, and the streamed pipeline, on real CIFAR-10
+images exported as files."""
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from speedrun.data import DataError
+from speedrun.data.arrays import load_npz, open_npz
+from speedrun.data.folder import decode, folder_splits, scan, split
+from speedrun.data.prepare import export, prepare
+from speedrun.data.stream import EpochSampler, ImageItems
+
+from test_cli import speedrun
+
+
+@pytest.fixture(scope="session")
+def jpeg_dir(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("export") / "cifar-jpeg"
+    export("cifar10", "jpeg", out, data_dir, quality=95, limit=2000)
+    return out
+
+
+@pytest.fixture(scope="session")
+def png_dir(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("export") / "fmnist-png"
+    export("fashion-mnist", "png", out, data_dir, limit=300)
+    return out
+
+
+def test_export_writes_the_imagenet_layout_losslessly_for_png(png_dir, fashion):
+    train, val = folder_splits(png_dir, 0.0, 0)
+    assert len(train) == 300 and len(val) == 300
+    assert train.classes == sorted(c.replace("/", "-") for c in fashion.classes)
+    i = 7
+    path = png_dir / "train" / fashion.classes[int(fashion.train_y[i])].replace("/", "-") / f"{i:05d}.png"
+    img = decode(path.read_bytes(), path, 1)
+    assert np.array_equal(img[:, :, 0], fashion.train_x[i, 0].numpy())          # PNG is exact
+
+
+def test_jpeg_export_is_close_to_the_original(jpeg_dir, cifar10):
+    i = 3
+    cls = cifar10.classes[int(cifar10.train_y[i])]
+    path = jpeg_dir / "train" / cls / f"{i:05d}.jpg"
+    img = decode(path.read_bytes(), path, 3).astype(float)
+    ref = cifar10.train_x[i].permute(1, 2, 0).numpy().astype(float)
+    assert np.abs(img - ref).mean() < 6                                     # quality 95
+
+
+def test_single_folder_split_is_stratified_and_fixed_by_the_seed(jpeg_dir):
+    whole = scan(jpeg_dir / "train")
+    tr, va = split(whole, 0.2, seed=1)
+    tr2, va2 = split(whole, 0.2, seed=1)
+    assert va.files == va2.files and set(tr.files).isdisjoint(va.files) and len(tr) + len(va) == len(whole)
+    for label in range(10):
+        n = int((whole.labels == label).sum())
+        assert int((va.labels == label).sum()) == max(1, round(n * 0.2))
+    _, va3 = split(whole, 0.2, seed=2)
+    assert va3.files != va.files
+
+
+def test_folder_errors_are_clear(tmp_path):
+    with pytest.raises(DataError, match="no such folder"):
+        folder_splits(tmp_path / "nope", 0.1, 0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no class sub-folders"):
+        folder_splits(tmp_path / "empty", 0.1, 0)
+    (tmp_path / "one" / "cats").mkdir(parents=True)
+    with pytest.raises(DataError, match="no images found"):
+        folder_splits(tmp_path / "one", 0.1, 0)
+    (tmp_path / "one" / "cats" / "a.png").write_bytes(b"")
+    with pytest.raises(DataError, match="val_fraction"):
+        folder_splits(tmp_path / "one", 0.0, 0)
+
+
+def test_a_corrupt_jpeg_is_named(jpeg_dir, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    good = next((jpeg_dir / "train" / "cat").iterdir())
+    bad.write_bytes(good.read_bytes()[:200])                       # truncated JPEG
+    with pytest.raises(DataError, match=r"bad\.jpg: cannot decode this image.*skip_corrupt"):
+        decode(bad.read_bytes(), bad, 3)
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not an image at all")
+    with pytest.raises(DataError, match=r"junk\.png: cannot decode"):
+        decode(junk.read_bytes(), junk, 3)
+
+
+def test_streamed_items_are_deterministic_per_seed_epoch_and_index(jpeg_dir):
+    train, _ = folder_splits(jpeg_dir, 0.0, 0)
+    items = ImageItems(train, 3, True, "random_resized", (0.3, 1.0), (0.75, 4 / 3), 1.0, "auto", False, seed=5)
+    a, b, c = items[(4, 24, 0)], items[(4, 24, 0)], items[(4, 24, 1)]
+    assert a[0].shape == (3, 24, 24) and a[0].dtype == torch.uint8
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    sampler = EpochSampler(len(train), 256, seed=5, train=True, size=24)
+    first = [list(b) for b in sampler]
+    assert len(first) == len(train) // 256 and len({i for b in first for i, _, _ in b}) == 256 * len(first)
+    sampler.set_epoch(0, 24, skip=3)
+    assert [list(b) for b in sampler] == first[3:]
+
+
+def test_prepare_writes_a_memory_mapped_npz_equal_to_decoding(jpeg_dir, tmp_path):
+    out = tmp_path / "c.npz"
+    info = prepare(jpeg_dir, 32, out, workers=2)
+    assert info["train"] == 2000 and info["test"] == 2000 and info["channels"] == 3
+    with zipfile.ZipFile(out) as zf:
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+    arrays = open_npz(out)
+    assert isinstance(arrays["x_train"], np.memmap)
+    ds = load_npz(out)
+    train, _ = folder_splits(jpeg_dir, 0.0, 0)
+    path = train.path(11)
+    assert np.array_equal(ds.train_x[11].permute(1, 2, 0).numpy(), decode(path.read_bytes(), path, 3))
+    assert ds.train_y[11] == train.labels[11] and ds.classes == train.classes
+    with pytest.raises(DataError, match="already exists"):
+        prepare(jpeg_dir, 32, out)
+
+
+def test_npz_with_hwc_arrays_and_bad_inputs(tmp_path):
+    x = np.random.default_rng(0).integers(0, 255, (20, 8, 8, 3), dtype=np.uint8)
+    y = np.arange(20) % 4
+    np.savez(tmp_path / "a.npz", x_train=x, y_train=y, x_test=x[:5], y_test=y[:5])
+    ds = load_npz(tmp_path / "a.npz")
+    assert ds.train_x.shape == (20, 3, 8, 8) and torch.equal(ds.train_x[2], torch.from_numpy(x[2]).permute(2, 0, 1))
+    assert ds.num_classes == 4
+    np.savez(tmp_path / "b.npz", x_train=x, y_train=y)
+    with pytest.raises(DataError, match=r"missing arrays \['x_test', 'y_test'\]"):
+        load_npz(tmp_path / "b.npz")
+    np.savez(tmp_path / "c.npz", x_train=x.astype(np.float32), y_train=y, x_test=x[:5], y_test=y[:5])
+    with pytest.raises(DataError, match="must be uint8"):
+        load_npz(tmp_path / "c.npz")
+    (tmp_path / "d.npz").write_bytes((tmp_path / "a.npz").read_bytes()[:300])
+    with pytest.raises(DataError, match="not a readable .npz"):
+        load_npz(tmp_path / "d.npz")
+
+
+QUICK = ["--set", "train.epochs=3", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=250",
+         "--set", "eval.tta=flip"]
+
+
+def test_folder_trains_streamed_and_prepared_trains_resident(jpeg_dir, tmp_path):
+    speedrun("train", "folder", "--data-dir", jpeg_dir, "--out", tmp_path / "s", *QUICK)
+    s = json.loads((tmp_path / "s" / "summary.json").read_text())
+    config = (tmp_path / "s" / "config.toml").read_text()
+    assert "image_size = 32" in config and "eval_crop = 1.0" in config          # chosen from the data
+    speedrun("data", "prepare", jpeg_dir, "--size", 32, "--out", tmp_path / "c.npz")
+    speedrun("train", "folder", "--set", "data.dataset=npz", "--data-dir", tmp_path / "c.npz",
+             "--out", tmp_path / "r", *QUICK)
+    r = json.loads((tmp_path / "r" / "summary.json").read_text())
+    # 24 steps on 2,000 images: both well above chance (0.1), and the two paths agree
+    assert s["test_acc"] > 0.25 and r["test_acc"] > 0.25
+    assert abs(s["test_acc"] - r["test_acc"]) < 0.08
+
+
+def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp_path):
+    import shutil
+    copy = tmp_path / "data"
+    shutil.copytree(jpeg_dir, copy)
+    victims = sorted((copy / "train" / "dog").iterdir())[:3]
+    for v in victims:
+        v.write_bytes(b"\xff\xd8\xff garbage")
+    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "a", *QUICK, check=False)
+    assert proc.returncode == 1 and "cannot decode this image" in proc.stderr and "dog" in proc.stderr
+    assert "skip_corrupt" in proc.stderr
+    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "b", *QUICK,
+                    "--set", "data.skip_corrupt=true")
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["skipped_images"] >= 3 and "unreadable images skipped" in proc.stdout

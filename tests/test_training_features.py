@@ -1,0 +1,190 @@
+"""Part 3's training features on real data: accumulation, resume, schedules, progressive
+resizing, distillation, mixing, LARS/LAMB and the batch finder."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from speedrun.engine.loop import epoch_size
+from speedrun.engine.step import backward_in_micro_batches, distillation_loss
+from speedrun.optim.schedule import lr_multipliers
+from speedrun.recipe import CosineSchedule, PolySchedule, StepSchedule, load_recipe
+
+from test_cli import speedrun
+
+TINY = ["--set", "model.widths=[8,16,16]", "--set", "data.batch_size=500", "--set", "eval.tta=none"]
+
+
+# ---------------------------------------------------------------------------- accumulation
+def _no_bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.GELU(), nn.Conv2d(8, 8, 3, stride=2), nn.GELU(),
+                         nn.Flatten(), nn.Linear(8 * 12 * 12, 10)).double()
+
+
+def _grads(k, x, y, smoothing=0.1):
+    model = _no_bn_model()
+    loss_fn = lambda logits, xm, ym: F.cross_entropy(logits, ym, label_smoothing=smoothing)
+    loss, logits = backward_in_micro_batches(model, x, (y,), k, loss_fn)
+    return loss, logits, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [64, 62])          # 62 = uneven micro-batches (16, 16, 15, 15)
+def test_accumulating_four_micro_batches_equals_one_full_batch(fashion, n):
+    x = (fashion.train_x[:n].double() / 255 - 0.29) / 0.35
+    y = fashion.train_y[:n]
+    full_loss, full_logits, full = _grads(1, x, y)
+    acc_loss, acc_logits, acc = _grads(4, x, y)
+    assert torch.allclose(acc_loss, full_loss, rtol=1e-10) and torch.allclose(acc_logits, full_logits)
+    for a, b in zip(acc, full):
+        assert (a - b).norm() / b.norm() < 1e-5
+
+
+def test_training_with_accumulation_learns(data_dir, tmp_path):
+    # a speed net has batch norm, so accumulation changes its statistics; the run still learns
+    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "acc", *TINY,
+             "--set", "train.epochs=0.5", "--set", "train.accumulate=4")
+    s = json.loads((tmp_path / "acc" / "summary.json").read_text())
+    assert s["test_acc"] > 0.5
+
+
+# ------------------------------------------------------------------------------- resume
+def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(data_dir, tmp_path):
+    args = ["train", "fashion-mnist", "--data-dir", str(data_dir), "--seed", "4", *TINY, "--set", "train.epochs=2",
+            "--set", "data.batch_size=2000",
+            "--set", "eval.every=1", "--set", "checkpoint.every_steps=7"]          # 30 steps/epoch: mid-epoch
+    speedrun(*args, "--out", tmp_path / "whole")
+    run = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "speedrun", *args, "--out", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    state_step = None
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)                                  # a real interruption
+        proc.wait()
+    assert not (run / "summary.json").exists(), "the run finished before it could be interrupted"
+    state_step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    assert state_step % 7 == 0 and state_step < 60
+    out = speedrun("train", "--resume", run, "--data-dir", data_dir)
+    assert f"{state_step}" in out.stdout
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(run / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    cut = json.loads((run / "summary.json").read_text())
+    assert cut["test_acc"] == whole["test_acc"] and cut["resumed_from_step"] == state_step
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in ref]
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+    proc = speedrun("train", "--resume", tmp_path, check=False)
+    assert proc.returncode == 1 and "no checkpoint to resume from" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- schedules
+def test_warmup_then_cosine_step_and_poly_schedules():
+    spe, total = 10, 100
+    cos = lr_multipliers(CosineSchedule(warmup_epochs=2, warmup_start=0.1), total, spe)
+    assert cos[0] == pytest.approx(0.1) and cos[10] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cos[20] == pytest.approx(1.0) and cos[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 79 / 80)))
+    step = lr_multipliers(StepSchedule(milestones=[3, 6], gamma=0.1), total, spe)
+    assert step[29] == 1.0 and step[30] == pytest.approx(0.1) and step[60] == pytest.approx(0.01)
+    poly = lr_multipliers(PolySchedule(warmup_epochs=1, power=2.0), total, spe)
+    assert poly[5] == pytest.approx(0.5) and poly[10] == 1.0 and poly[-1] == pytest.approx((1 / 90) ** 2)
+
+
+def test_linear_scaling_rule_from_the_reference_batch():
+    from speedrun.optim.params import step_lr
+    r = load_recipe("imagenet-resnet50")
+    assert step_lr(r.optim, 256) == pytest.approx(0.1)                  # the 0.1-per-256 rule
+    assert step_lr(r.optim, 1024) == pytest.approx(0.4)
+
+
+# --------------------------------------------------------------------- progressive resizing
+def test_progressive_resizing_sizes_and_batches(data_dir, tmp_path):
+    r = load_recipe("fashion-mnist", ["data.progressive=[[0.0, 0.5], [0.5, 1.0]]", "train.epochs=2"])
+    assert [epoch_size(r, e, 28) for e in (0, 1)] == [16, 28]
+    from speedrun.data import load_dataset
+    from speedrun.engine.loop import Session
+    from speedrun.engine.runtime import Runtime
+    ds = load_dataset("fashion-mnist", data_dir)
+    r = load_recipe("fashion-mnist", ["data.progressive=[[0.0, 0.5], [0.5, 1.0]]", "train.epochs=0.1",
+                                      "model.widths=[8,8,8]", "data.batch_size=1000"])
+    session = Session(r, ds, Runtime(torch.device("cpu"), "fp32", False, True))
+    seen = []
+    session.model.register_forward_pre_hook(lambda m, a: seen.append((m.training, a[0].shape[-1])))
+    session.run()
+    assert {s for t, s in seen if t} == {16} and {s for t, s in seen if not t} == {28}
+
+
+# ------------------------------------------------------------------------- distillation
+def test_distillation_loss_is_temperature_scaled_kl():
+    s, t = torch.randn(5, 4), torch.randn(5, 4)
+    T = 3.0
+    p_t = F.softmax(t / T, 1)
+    expected = (p_t * (p_t.log() - F.log_softmax(s / T, 1))).sum(1).mean() * T * T
+    assert distillation_loss(s, t, T) == pytest.approx(expected.item(), rel=1e-5)
+    assert distillation_loss(t, t, T) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_distill_from_a_teacher_checkpoint(data_dir, tmp_path):
+    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "teacher", *TINY,
+             "--set", "train.epochs=0.5")
+    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "student", *TINY,
+             "--set", "train.epochs=0.5", "--set", f"distill.teacher={tmp_path / 'teacher' / 'model.pt'}",
+             "--set", "model.widths=[8,8,8]")
+    s = json.loads((tmp_path / "student" / "summary.json").read_text())
+    assert s["test_acc"] > 0.5
+    proc = speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "x", *TINY,
+                    "--set", f"distill.teacher={tmp_path / 'missing.pt'}", check=False)
+    assert proc.returncode == 1 and "distill.teacher" in proc.stderr
+
+
+# ---------------------------------------------------------- mixing, LARS, LAMB end to end
+@pytest.mark.parametrize("extra", [
+    ["--set", "augment.mixup=0.2", "--set", "augment.cutmix=1.0"],
+    ["--set", "optim.name=lars", "--set", "optim.lr=20.0", "--set", "optim.weight_decay=5e-5"],
+    ["--set", "optim.name=lamb", "--set", "optim.lr=0.02", "--set", "optim.weight_decay=0.01"],
+    ["--set", "augment.crop=random_resized", "--set", "augment.rrc_scale=[0.5, 1.0]",
+     "--set", "augment.color_jitter=0.3"],
+])
+def test_training_options_run_and_learn(data_dir, tmp_path, extra):
+    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "r", *TINY,
+             "--set", "train.epochs=0.5", *extra)
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["test_acc"] > 0.4, s["test_acc"]
+
+
+# --------------------------------------------------------------------------- batch finder
+def test_batch_finder_halves_on_a_real_out_of_memory(data_dir, tmp_path):
+    """Run with an address-space limit so that the large batch really fails to allocate."""
+    code = f"""
+import resource, sys
+from speedrun.cli import main
+import torch
+base = int(open('/proc/self/statm').read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (base + 3 * 2**30, resource.RLIM_INFINITY))
+sys.exit(main(["train", "cifar10-94", "--data-dir", {str(data_dir)!r}, "--out", {str(tmp_path / 'fb')!r},
+               "--find-batch", "--set", "data.batch_size=16384", "--set", "train.epochs=0.02",
+               "--set", "eval.tta=none", "--set", "eval.batch_size=500"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data.batch_size=16384 ran out of memory on cpu; using" in proc.stdout
+    s = json.loads((tmp_path / "fb" / "summary.json").read_text())
+    assert s["batch_size"] < 16384 and 16384 % s["batch_size"] == 0
+    config = (tmp_path / "fb" / "config.toml").read_text()
+    assert f"batch_size = {s['batch_size']}" in config
