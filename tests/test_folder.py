@@ -91,7 +91,7 @@ def test_streamed_items_are_deterministic_per_seed_epoch_and_index(jpeg_dir):
     train, _ = folder_splits(jpeg_dir, 0.0, 0)
     items = ImageItems(train, 3, True, "random_resized", (0.3, 1.0), (0.75, 4 / 3), 1.0, "auto", False, seed=5)
     a, b, c = items[(4, 24, 0)], items[(4, 24, 0)], items[(4, 24, 1)]
-    assert a[0].shape == (3, 24, 24) and a[0].dtype == torch.uint8
+    assert a[0].shape == (24, 24, 3) and a[0].dtype == torch.uint8          # HWC; batches become NCHW views
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     sampler = EpochSampler(len(train), 256, seed=5, train=True, size=24)
     first = [list(b) for b in sampler]
@@ -167,3 +167,18 @@ def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp
                     "--set", "data.skip_corrupt=true")
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["skipped_images"] >= 3 and "unreadable images skipped" in proc.stdout
+
+
+def test_host_and_device_random_resized_boxes_follow_the_same_rule():
+    import random
+    from speedrun.data.augment_extra import sample_rrc_boxes
+    from speedrun.data.stream import rrc_box
+    h, w, scale, ratio = 60, 90, (0.2, 0.9), (0.75, 4 / 3)
+    host = np.array([rrc_box(h, w, scale, ratio, random.Random(i)) for i in range(4000)])
+    dev = sample_rrc_boxes(4000, h, w, scale, ratio, torch.Generator().manual_seed(0), "cpu").numpy()
+    for boxes in (host, dev):
+        top, left, bh, bw = boxes.T
+        assert (top >= 0).all() and (left >= 0).all() and (top + bh <= h).all() and (left + bw <= w).all()
+    area = lambda b: (b[:, 2] * b[:, 3]).mean() / (h * w)
+    aspect = lambda b: np.log(b[:, 3] / b[:, 2]).mean()
+    assert abs(area(host) - area(dev)) < 0.02 and abs(aspect(host) - aspect(dev)) < 0.03

@@ -143,32 +143,23 @@ def _is_jpeg(data: bytes, path: Path, decoder: str) -> bool:
             and path.suffix.lower() in JPEG_EXTENSIONS and simplejpeg.is_jpeg(data))
 
 
-def header_size(data: bytes, path: Path, decoder: str = "auto") -> tuple[int, int]:
-    """(height, width) from the file header, without decoding the pixels."""
-    try:
-        if _is_jpeg(data, path, decoder):
-            return tuple(simplejpeg.decode_jpeg_header(data)[:2])
-        with Image.open(io.BytesIO(data)) as im:
-            return im.size[1], im.size[0]
-    except (OSError, ValueError, UnidentifiedImageError, SyntaxError) as err:
-        raise corrupt_error(path, err) from None
-
-
-def decode(data: bytes, path: Path, channels: int, min_hw: tuple[int, int] = (0, 0),
-           decoder: str = "auto") -> np.ndarray:
+def decode(data: bytes, path: Path, channels: int, min_hw=None, decoder: str = "auto") -> np.ndarray:
     """Decode image bytes to a uint8 array (H, W, channels).
 
-    ``min_hw`` lets JPEG decoders down-scale in the DCT domain (by 1/2, 1/4 or 1/8) while
-    keeping at least that many rows and columns: much cheaper than decoding the full image
-    and resizing it afterwards."""
+    ``min_hw((height, width)) -> (rows, cols)``, given the stored size, says how many rows
+    and columns are needed; JPEG decoders then down-scale in the DCT domain (by 1/2, 1/4 or
+    1/8) while keeping at least that many: much cheaper than decoding the full image and
+    resizing it afterwards. The file is parsed once."""
     try:
         if _is_jpeg(data, path, decoder):
+            need = min_hw(tuple(simplejpeg.decode_jpeg_header(data)[:2])) if min_hw else (0, 0)
             img = simplejpeg.decode_jpeg(data, colorspace="RGB" if channels == 3 else "GRAY", fastdct=True,
-                                         fastupsample=True, min_height=min_hw[0], min_width=min_hw[1])
+                                         fastupsample=True, min_height=need[0], min_width=need[1])
         else:
             with Image.open(io.BytesIO(data)) as im:
-                if im.format == "JPEG" and min_hw[0] and min_hw[1]:
-                    im.draft("RGB" if channels == 3 else "L", (min_hw[1], min_hw[0]))
+                if min_hw and im.format == "JPEG":
+                    rows, cols = min_hw((im.size[1], im.size[0]))
+                    im.draft("RGB" if channels == 3 else "L", (cols, rows))
                 img = np.asarray(im.convert("RGB" if channels == 3 else "L"))
     except (OSError, ValueError, UnidentifiedImageError, SyntaxError) as err:
         raise corrupt_error(path, err) from None

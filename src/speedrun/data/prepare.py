@@ -38,7 +38,7 @@ def _decode_one(args):
     out = _items[(i, size, 0)]
     if isinstance(out, Unreadable):
         raise DataError(str(out))
-    return i, (None if out is None else out[0].numpy())
+    return i, (None if out is None else out[0].numpy().transpose(2, 0, 1))
 
 
 def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from typing import Iterator
 
 import numpy as np
@@ -22,26 +23,49 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .download import DataError
-from .folder import ImageList, decode, header_size, read_bytes
+from .folder import ImageList, decode, read_bytes
 
 
 def default_workers(requested: int) -> int:
     return min(8, os.cpu_count() or 1) if requested < 0 else requested
 
 
-def _to_pil(img: np.ndarray) -> Image.Image:
-    return Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img)
+def _hwc(img: np.ndarray) -> torch.Tensor:
+    img = img if img.ndim == 3 else img[:, :, None]
+    return torch.from_numpy(img if img.flags.writeable and img.flags.c_contiguous else img.copy())
 
 
-def _chw(img: Image.Image, channels: int) -> torch.Tensor:
-    arr = np.asarray(img)
-    arr = arr[:, :, None] if arr.ndim == 2 else arr
-    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+def _resize_box(img: np.ndarray, size: int, box) -> np.ndarray:
+    """Crop ``box`` (left, top, right, bottom; fractional) and resize it to size x size."""
+    pil = Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img)
+    return np.asarray(pil.resize((size, size), Image.BILINEAR, box=box))
+
+
+def rrc_box(h: int, w: int, scale, ratio, rng: random.Random) -> tuple[int, int, int, int]:
+    """One random-resized-crop box (top, left, height, width) drawn on the host, with the same
+    rule as ``augment_extra.sample_rrc_boxes`` (which draws whole batches on the device);
+    plain Python, since numpy's per-call overhead dominates for one box."""
+    from .augment_extra import RRC_TRIES, _centre_fallback
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(RRC_TRIES):
+        area = rng.uniform(*scale) * h * w
+        aspect = math.exp(rng.uniform(lo, hi))
+        cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        if 1 <= cw <= w and 1 <= ch <= h:
+            return rng.randrange(h - ch + 1), rng.randrange(w - cw + 1), ch, cw
+    ch, cw = _centre_fallback(h, w, ratio)
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+def item_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The random stream of one image in one epoch, independent of which worker draws it."""
+    return random.Random((seed * 1_000_003 + epoch) * 4_294_967_311 + index)
 
 
 class ImageItems(Dataset):
     """Items are keyed by (index, size, epoch): the sampler tells each worker the size of
-    this epoch's crops (for progressive resizing) and the epoch (for the random stream)."""
+    this epoch's crops (for progressive resizing) and the epoch (for the random stream).
+    An item is (uint8 HWC tensor, label, index)."""
 
     def __init__(self, images: ImageList, channels: int, train: bool, crop: str, rrc_scale, rrc_ratio,
                  eval_crop: float, decoder: str, skip_corrupt: bool, seed: int):
@@ -58,37 +82,40 @@ class ImageItems(Dataset):
         try:
             data = read_bytes(path)
             if self.train and self.crop == "random_resized":
-                x = self._random_resized(data, path, size, epoch, i)
+                x = self._random_resized(data, path, size, item_rng(self.seed, epoch, i))
             else:
                 x = self._resize_centre(data, path, size, self.eval_crop if not self.train else 1.0)
         except DataError as err:
             # reported from the main process (a worker's exception arrives wrapped in its traceback)
             return None if self.skip_corrupt else Unreadable(str(err))
-        return x, int(self.images.labels[i]), i
+        return _hwc(x), int(self.images.labels[i]), i
 
-    def _random_resized(self, data: bytes, path, size: int, epoch: int, i: int) -> torch.Tensor:
-        from .augment_extra import sample_rrc_boxes
-        h, w = header_size(data, path, self.decoder)
-        gen = torch.Generator().manual_seed(int(np.random.SeedSequence((self.seed, epoch, i)).generate_state(1)[0]))
-        top, left, ch, cw = sample_rrc_boxes(1, h, w, self.rrc_scale, self.rrc_ratio, gen, "cpu")[0].tolist()
-        factor = min(ch, cw) / size                     # how much the decoder may shrink
-        min_hw = (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
-        img = decode(data, path, self.channels, min_hw, self.decoder)
+    def _random_resized(self, data: bytes, path, size: int, rng: random.Random) -> np.ndarray:
+        box = []
+
+        def need(hw):                                   # draw the box, then let the decoder shrink
+            h, w = hw
+            box[:] = [hw, rrc_box(h, w, self.rrc_scale, self.rrc_ratio, rng)]
+            factor = min(box[1][2], box[1][3]) / size
+            return (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
+        img = decode(data, path, self.channels, need, self.decoder)
+        (h, w), (top, left, ch, cw) = box
         sy, sx = img.shape[0] / h, img.shape[1] / w
-        box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
-        return _chw(_to_pil(img).resize((size, size), Image.BILINEAR, box=box), self.channels)
+        return _resize_box(img, size, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
 
-    def _resize_centre(self, data: bytes, path, size: int, crop: float) -> torch.Tensor:
-        h, w = header_size(data, path, self.decoder)
+    def _resize_centre(self, data: bytes, path, size: int, crop: float) -> np.ndarray:
         short = size / crop                             # shorter side before the centre crop
-        factor = min(h, w) / short
-        min_hw = (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
-        img = decode(data, path, self.channels, min_hw, self.decoder)
+
+        def need(hw):
+            factor = min(hw) / short
+            return (math.ceil(hw[0] / factor), math.ceil(hw[1] / factor)) if factor > 1 else hw
+        img = decode(data, path, self.channels, need, self.decoder)
         h2, w2 = img.shape[:2]
+        if h2 == w2 == size and crop == 1.0:            # already the right size: no resampling
+            return img
         side = min(h2, w2) * crop
         top, left = (h2 - side) / 2, (w2 - side) / 2
-        return _chw(_to_pil(img).resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side)),
-                    self.channels)
+        return _resize_box(img, size, (left, top, left + side, top + side))
 
 
 class Unreadable(str):
@@ -103,7 +130,7 @@ def collate(items):
     skipped = len(items) - len(kept)
     if not kept:
         return None, None, None, skipped
-    x = torch.stack([it[0] for it in kept])
+    x = torch.stack([it[0] for it in kept]).permute(0, 3, 1, 2)     # N, C, H, W in channels-last memory
     y = torch.tensor([it[1] for it in kept], dtype=torch.int64)
     idx = torch.tensor([it[2] for it in kept], dtype=torch.int64)
     return x, y, idx, skipped
@@ -136,7 +163,8 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
     items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, decoder, True, seed)
     idx = np.random.default_rng(seed).choice(len(images), size=min(n, len(images)), replace=False)
     xs = [items[(int(i), size, 0)] for i in idx]
-    x = torch.stack([it[0] for it in xs if it is not None and not isinstance(it, Unreadable)]).float()
+    x = torch.stack([it[0] for it in xs if it is not None and not isinstance(it, Unreadable)])
+    x = x.permute(0, 3, 1, 2).float()
     return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
 
 
