@@ -170,6 +170,12 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="LAMB: Adam moment decays")
     eps: float = Field(1e-6, gt=0, description="LAMB: added to the second-moment root")
     adapt_bias_norm: bool = Field(False, description="LARS/LAMB: also scale biases and norms by trust ratio")
+    filters: Literal["same", "orthogonal"] = Field(
+        "same", description="conv filters: the optimizer above, or orthogonalised momentum updates (Muon)")
+    filter_lr: float = Field(0.2, gt=0, description="orthogonal filters: per-step LR at schedule multiplier 1")
+    filter_momentum: float = Field(0.6, ge=0, lt=1, description="orthogonal filters: Nesterov momentum")
+    ns_steps: int = Field(3, ge=1, le=10, description="orthogonal filters: Newton-Schulz iterations")
+    filter_norm_every: int = Field(1, ge=0, description="orthogonal filters: reset filter norms every N steps; 0 = never")
 
 
 class PiecewiseSchedule(Section):
@@ -253,6 +259,8 @@ class CheckpointConfig(Section):
 
 class EvalConfig(Section):
     tta: Literal["none", "flip", "flip_translate"] = "none"
+    tta_fraction: float = Field(1.0, gt=0, le=1, description="apply TTA only to this fraction of each batch: "
+                                "the images the plain view is least confident about")
     every: int = Field(1, ge=0, description="epochs between monitoring evaluations; 0 = final only")
     batch_size: int = Field(1000, gt=0)
 

@@ -57,6 +57,10 @@ TRICKS: list[Trick] = [
           lambda r: ["optim.nesterov=false"]),
     Trick("no_bias_decay", "no decay on biases and norms", lambda r: r.optim.no_decay_bias_norm,
           lambda r: ["optim.no_decay_bias_norm=false"]),
+    Trick("orthogonal_filters", "orthogonalised (Muon) updates for conv filters",
+          lambda r: r.optim.filters == "orthogonal", lambda r: ["optim.filters=same"]),
+    Trick("partial_tta", "TTA only on the least confident images", lambda r: r.eval.tta != "none"
+          and r.eval.tta_fraction < 1, lambda r: ["eval.tta_fraction=1.0"]),
     Trick("weight_averaging", "EMA / lookahead weight averaging", lambda r: r.averaging.kind != "none",
           lambda r: ["averaging.kind=none"]),
     Trick("tta", "test-time augmentation", lambda r: r.eval.tta != "none", lambda r: ["eval.tta=none"]),

@@ -78,7 +78,8 @@ def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
 def run_flops(recipe: Recipe, per_image: dict, train_images: int, test_images: int) -> dict:
     """Total FLOPs of a run: training steps plus the final evaluation with TTA."""
     train = per_image["train"] * train_images
-    evaluate = per_image["forward"] * test_images * len(TTA_VIEWS[recipe.eval.tta])
+    extra_views = len(TTA_VIEWS[recipe.eval.tta]) - 1          # only tta_fraction of images get them
+    evaluate = per_image["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
     return {"flops_per_train_image": per_image["train"], "flops_per_forward_image": per_image["forward"],
             "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}
 

@@ -149,6 +149,8 @@ class Session:
         self.model.zero_grad(set_to_none=True)
         n_test = len(src.test_y)
         eval_sizes = {min(r.eval.batch_size, n_test), n_test % r.eval.batch_size} - {0}
+        if r.eval.tta_fraction < 1:                  # the least-confident subsets get their own graphs
+            eval_sizes |= {max(1, math.ceil(r.eval.tta_fraction * n)) for n in eval_sizes}
         self.model.eval()
         with torch.no_grad(), rt.autocast():
             for n in sorted(eval_sizes):
@@ -272,7 +274,8 @@ class Session:
         # --- final evaluation, with the recipe's TTA --------------------------------------
         if averager is not None:
             averager.finalize()
-        c_tta, c_plain, n_test = evaluate(forward, data.test_batches(r.eval.batch_size), r.eval.tta, rt)
+        c_tta, c_plain, n_test = evaluate(forward, data.test_batches(r.eval.batch_size), r.eval.tta, rt,
+                                          r.eval.tta_fraction)
         acc, acc_plain = (c / n_test for c in torch.stack([c_tta, c_plain]).tolist())
         rt.synchronize()
         train_seconds = time.perf_counter() - t0 - paused

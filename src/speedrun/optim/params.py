@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..models import BatchNorm, PatchWhitening
 from ..recipe import OptimConfig
 from .layerwise import LAMB, LARS
+from .orthogonal import OptimizerList, OrthogonalFilters
 
 
 def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -61,7 +62,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torc
     lr = step_lr(cfg, batch_size)
     mults = {"norm_bias": cfg.norm_bias_lr_mult, "whiten_bias": cfg.whiten_bias_lr_mult}
     groups = []
-    for kind, params in classify(model).items():
+    roles = classify(model)
+    filters = None
+    if cfg.filters == "orthogonal":
+        filters = [p for p in roles.get("weight", []) if p.ndim == 4]
+        roles["weight"] = [p for p in roles.get("weight", []) if p.ndim != 4]
+        if not roles["weight"]:
+            del roles["weight"]
+    for kind, params in roles.items():
         lr_mult = mults.get(kind, 1.0)
         one_d = kind != "weight"
         decay = 0.0 if (cfg.no_decay_bias_norm and one_d) else cfg.weight_decay
@@ -72,11 +80,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torc
             group.update(weight_decay=decay, adapt=not one_d or cfg.adapt_bias_norm)
         groups.append(group)
     if cfg.name == "lars":
-        return LARS(groups, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                    trust_coefficient=cfg.trust_coefficient)
-    if cfg.name == "lamb":
-        return LAMB(groups, lr, betas=cfg.betas, eps=cfg.eps)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        main = LARS(groups, lr, momentum=cfg.momentum, nesterov=cfg.nesterov, trust_coefficient=cfg.trust_coefficient)
+    elif cfg.name == "lamb":
+        main = LAMB(groups, lr, betas=cfg.betas, eps=cfg.eps)
+    else:
+        main = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+    if filters is None:
+        return main
+    # decoupled decay as for the other weights: lr_t * weight_decay = multiplier_t * decay per step
+    decay_per_step = cfg.weight_decay * lr / cfg.lr
+    ortho = OrthogonalFilters([dict(params=filters, name="filters", lr=cfg.filter_lr, base_lr=cfg.filter_lr,
+                                    lr_mult=1.0)], cfg.filter_lr, momentum=cfg.filter_momentum,
+                              nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, norm_every=cfg.filter_norm_every,
+                              weight_decay=decay_per_step / cfg.filter_lr)
+    return OptimizerList(main, ortho)
 
 
 def set_step_hyperparams(opt: torch.optim.Optimizer, lr_mult: float, momentum: float | None = None,
@@ -86,5 +103,5 @@ def set_step_hyperparams(opt: torch.optim.Optimizer, lr_mult: float, momentum: f
     set only in groups that have one (not LAMB's, whose betas stay fixed)."""
     for g in opt.param_groups:
         g["lr"] = 0.0 if g["name"] in frozen else g["base_lr"] * lr_mult
-        if momentum is not None and "momentum" in g:
+        if momentum is not None and "momentum" in g and g["name"] != "filters":
             g["momentum"] = momentum

@@ -1,0 +1,115 @@
+"""Orthogonalised momentum updates for convolution filters (Muon; Jordan et al. 2024, used in
+the airbench CIFAR-10 records).
+
+Each conv filter bank's momentum-smoothed gradient, seen as a matrix (out, in*k*k), is
+replaced by the nearest semi-orthogonal matrix, approximated by a few Newton-Schulz
+iterations; every direction of the update then has the same size. Filter banks of the same
+shape are orthogonalised together in one batched product (the 2025 CIFAR-10 record's
+trick), and the filters' norms can be reset to sqrt(out channels) every few steps, which
+keeps the effective step size fixed. torch.optim.Muon handles only 2-D parameters, hence
+this one.
+
+Everything else (biases, norms, the linear head) keeps torch's SGD; :class:`OptimizerList`
+presents both as one optimizer to the training loop.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)      # quintic iteration coefficients, Jordan et al. (2024)
+
+
+def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately orthogonalise each matrix of a (batch, rows, cols) tensor: U S V^T -> ~U V^T.
+
+    Runs in bf16 on CUDA (as the records do) and fp32 elsewhere."""
+    a, b, c = coefficients
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        m = x @ x.mT
+        x = a * x + (b * m + c * m @ m) @ x
+    return (x.mT if tall else x).to(g.dtype)
+
+
+class OrthogonalFilters(torch.optim.Optimizer):
+    """Nesterov momentum, then batched Newton-Schulz orthogonalisation, for 4-D conv filters.
+
+    Per group: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``norm_every`` (renormalise
+    each filter bank to Frobenius norm sqrt(out channels) every this many steps; 0 = never)
+    and ``weight_decay`` (coupled to the LR as in torch's SGD: each step removes
+    lr * weight_decay of each weight)."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.6, nesterov: bool = True, ns_steps: int = 3,
+                 norm_every: int = 1, weight_decay: float = 0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, norm_every=norm_every,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 4:
+                    raise ValueError(f"OrthogonalFilters takes 4-D conv filters, got a parameter of shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            count = group.setdefault("steps_taken", 0) + 1
+            group["steps_taken"] = count
+            grads = [p.grad for p in params]
+            bufs = []
+            for p, g in zip(params, grads):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            mu = group["momentum"]
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+            if group["norm_every"] and count % group["norm_every"] == 0:
+                norms = torch._foreach_norm(params)
+                torch._foreach_mul_(params, [p.shape[0] ** 0.5 / n for p, n in zip(params, norms)])
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            by_shape: dict[tuple, list[int]] = defaultdict(list)
+            for i, p in enumerate(params):
+                by_shape[tuple(p.shape)].append(i)
+            for shape, idx in by_shape.items():
+                rows, cols = shape[0], shape[1] * shape[2] * shape[3]
+                stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
+                ortho = newton_schulz(stacked, group["ns_steps"]) * max(1.0, rows / cols) ** 0.5
+                for j, i in enumerate(idx):
+                    params[i].add_(ortho[j].view(shape), alpha=-group["lr"])
+        return None
+
+
+class OptimizerList:
+    """Several optimizers stepped together, seen by the loop as one: ``param_groups`` is the
+    concatenation of theirs (the same dicts), and state dicts nest by position."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = [o for o in optimizers if o.param_groups]
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)

@@ -1,0 +1,110 @@
+"""Issue 5's candidate techniques: orthogonalised filter updates and cheaper TTA."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from speedrun.engine.evaluate import TTA_VIEWS, tta_logits
+from speedrun.models import build_model
+from speedrun.optim import build_optimizer
+from speedrun.optim.orthogonal import OptimizerList, OrthogonalFilters, newton_schulz
+from speedrun.recipe import OptimConfig, load_recipe
+
+from test_cli import speedrun
+
+
+def test_newton_schulz_approximates_the_orthogonal_polar_factor():
+    torch.manual_seed(0)
+    g = torch.randn(4, 64, 576)
+    u, _, vt = torch.linalg.svd(g, full_matrices=False)
+    polar = u @ vt
+    for steps, band in ((5, (0.6, 1.25)), (3, (0.3, 1.25))):
+        x = newton_schulz(g, steps)
+        sv = torch.linalg.svdvals(x)
+        assert sv.min() > band[0] and sv.max() < band[1], (steps, sv.min(), sv.max())
+        cos = (x * polar).sum((1, 2)) / (x.norm(dim=(1, 2)) * polar.norm(dim=(1, 2)))
+        assert (cos > 0.9).all()
+    tall = newton_schulz(g.mT, 5)                                       # rows > cols handled by transposing
+    assert torch.allclose(tall, newton_schulz(g, 5).mT, atol=1e-5)
+    batched = newton_schulz(g, 3)
+    assert torch.allclose(batched[2], newton_schulz(g[2:3], 3)[0], atol=1e-6)
+
+
+def test_orthogonal_filter_step_by_hand():
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.randn(8, 4, 3, 3))
+    w0 = w.detach().clone()
+    opt = OrthogonalFilters([w], lr=0.1, momentum=0.5, nesterov=True, ns_steps=3, norm_every=1)
+    g = torch.randn_like(w)
+    w.grad = g.clone()
+    opt.step()
+    buf = g                                                         # first step: buffer = g
+    update = g + 0.5 * buf
+    normed = w0 * (8 ** 0.5 / w0.norm())
+    ortho = newton_schulz(update.reshape(8, 36)[None], 3)[0] * max(1.0, 8 / 36) ** 0.5
+    assert torch.allclose(w.detach(), normed - 0.1 * ortho.view_as(w0), atol=1e-6)
+    with pytest.raises(ValueError, match="4-D conv filters"):
+        OrthogonalFilters([nn.Parameter(torch.ones(3, 3))], lr=0.1)
+
+
+def test_filters_are_renormalised_only_every_n_steps():
+    w = nn.Parameter(torch.randn(16, 8, 3, 3) * 5)
+    opt = OrthogonalFilters([w], lr=1e-3, norm_every=3)
+    norms = []
+    for _ in range(3):
+        w.grad = torch.randn_like(w)
+        opt.step()
+        norms.append(float(w.detach().norm()))
+    assert abs(norms[0] - 4.0) > 1 and abs(norms[2] - 4.0) < 0.1       # sqrt(16) = 4 after step 3
+
+
+def test_build_optimizer_routes_conv_filters_to_orthogonal_updates():
+    net = build_model(load_recipe("cifar10-94").model, 3, 10)
+    cfg = OptimConfig(lr=10.0, ref_batch=1024, momentum=0.85, filters="orthogonal", filter_lr=0.24,
+                      weight_decay=0.0133)
+    opt = build_optimizer(net, cfg, 2000)
+    assert isinstance(opt, OptimizerList)
+    names = {g["name"]: g for g in opt.param_groups}
+    assert set(names) == {"filters", "weight", "norm_bias", "whiten_bias"}
+    assert all(p.ndim == 4 for p in names["filters"]["params"]) and len(names["filters"]["params"]) == 6
+    assert [p.ndim for p in names["weight"]["params"]] == [2]              # the linear head stays SGD
+    assert names["filters"]["base_lr"] == 0.24
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    state = opt.state_dict()
+    opt2 = build_optimizer(net, cfg, 2000)
+    opt2.load_state_dict(state)
+    assert opt2.param_groups[-1]["steps_taken"] == 1
+
+
+@pytest.mark.parametrize("tta", ["flip", "flip_translate"])
+def test_partial_tta_applies_the_views_to_the_least_confident_images(tta):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 5)).eval()
+    x = torch.randn(40, 3, 10, 10)
+    full, plain = tta_logits(model, x, tta)
+    part, plain2 = tta_logits(model, x, tta, fraction=0.25)
+    assert torch.allclose(plain, plain2)
+    top2 = plain.topk(2, 1).values
+    chosen = (top2[:, 0] - top2[:, 1]).topk(10, largest=False).indices
+    rest = torch.ones(40, dtype=torch.bool)
+    rest[chosen] = False
+    assert torch.allclose(part[chosen], full[chosen], atol=1e-5)
+    assert torch.allclose(part[rest], plain[rest])
+    assert torch.allclose(tta_logits(model, x, tta, fraction=1.0)[0], full)
+
+
+def test_flop_count_follows_the_tta_fraction():
+    from speedrun.bench.flops import run_flops
+    r = load_recipe("cifar10-94", ["eval.tta_fraction=0.2"])
+    per = {"train": 1.0, "forward": 1.0}
+    assert run_flops(r, per, 0, 10_000)["eval_flops"] == pytest.approx(10_000 * (1 + 5 * 0.2))
+
+
+def test_candidate_recipe_trains_with_orthogonal_filters(data_dir, tmp_path):
+    speedrun("train", "cifar10-94-fast", "--data-dir", data_dir, "--out", tmp_path / "r",
+             "--set", "train.epochs=0.2", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=1000")
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["test_acc"] > 0.3                       # 10 steps of a small net on CIFAR-10 (chance: 0.1)
