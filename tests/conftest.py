@@ -38,3 +38,21 @@ def isolated_env(tmp_path, monkeypatch):
     monkeypatch.delenv("SPEEDRUN_DATA", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     return tmp_path
+
+
+TINY_BENCH = ["--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024",
+              "--set", "eval.tta=flip"]
+
+
+@pytest.fixture(scope="session")
+def bench_records(tmp_path_factory, data_dir):
+    """Two small benches and an ablation, made once with the real commands and shared by the
+    bench and report tests: (root, bench A output, bench B output, ablate output)."""
+    from test_cli import speedrun
+    root = tmp_path_factory.mktemp("bench")
+    a = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a", *TINY_BENCH)
+    b = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b", *TINY_BENCH,
+                 "--set", "eval.tta=none", "--seed", 10)
+    abl = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", root / "abl",
+                   *TINY_BENCH, "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5")
+    return root, a, b, abl

@@ -16,8 +16,6 @@ from speedrun.recipe import RecipeError, load_recipe
 
 from test_cli import speedrun
 
-TINY = ["--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024",
-        "--set", "eval.tta=flip"]
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -134,11 +132,8 @@ def test_epochs_to_target_interpolates():
 
 # ------------------------------------------------------------------ the commands, for real
 @pytest.fixture(scope="module")
-def benches(tmp_path_factory, data_dir):
-    root = tmp_path_factory.mktemp("bench")
-    a = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a", *TINY)
-    b = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b", *TINY,
-                 "--set", "eval.tta=none", "--seed", 10)
+def benches(bench_records):
+    root, a, b, _ = bench_records
     return root, a, b
 
 
@@ -192,16 +187,16 @@ def test_compare_verdict_wording():
     assert v.startswith("B is slower by 1 s")
 
 
-def test_ablate_writes_table_and_chart(tmp_path, data_dir):
-    out = tmp_path / "abl"
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", out, *TINY,
-                    "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5")
+def test_ablate_writes_table_and_chart(bench_records):
+    root, _, _, proc = bench_records
+    out = root / "abl"
     rec = json.loads((out / "ablate.json").read_text())
     labels = [v["label"] for v in rec["variants"]]
     assert labels == ["recipe", "without label_smoothing", "without tta", "ladder: none", "ladder: +tta"]
     without_tta = rec["variants"][2]
     assert without_tta["delta_acc"] is not None and len(without_tta["grid"]) == 2
     assert without_tta["grid"][0]["epochs"] == pytest.approx(0.05)
+    assert rec["recipe_config"]["name"] == "fashion-mnist"
     png = (out / "ablation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert "without label_smoothing" in proc.stdout and "epochs to target" in proc.stdout

@@ -182,3 +182,19 @@ def test_host_and_device_random_resized_boxes_follow_the_same_rule():
     area = lambda b: (b[:, 2] * b[:, 3]).mean() / (h * w)
     aspect = lambda b: np.log(b[:, 3] / b[:, 2]).mean()
     assert abs(area(host) - area(dev)) < 0.02 and abs(aspect(host) - aspect(dev)) < 0.03
+
+
+def test_streamed_run_resumes_bit_for_bit_from_a_mid_epoch_checkpoint(jpeg_dir, tmp_path):
+    import shutil
+    args = ["--data-dir", jpeg_dir, *QUICK, "--set", "checkpoint.every_steps=5", "--set", "augment.crop=random_resized",
+            "--set", "augment.rrc_scale=[0.5, 1.0]"]
+    speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 24 steps; last checkpoint at 20
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for name in ("config.toml", "checkpoint.pt"):
+        shutil.copy(tmp_path / "whole" / name, cut / name)
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 20
+    speedrun("train", "--resume", cut, "--data-dir", jpeg_dir)
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(cut / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -65,20 +65,17 @@ def test_run_report_renders_with_all_images(run_dir, tmp_path):
         assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_and_ablate_reports_render(tmp_path, data_dir):
-    tiny = ["--data-dir", data_dir, "--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]",
-            "--set", "data.batch_size=1024"]
-    speedrun("bench", "fashion-mnist", "--runs", 3, "--out", tmp_path / "b", *tiny)
-    speedrun("report", tmp_path / "b")
-    dom = render(tmp_path / "b" / "report.html", tmp_path)
+def test_bench_and_ablate_reports_render(bench_records, tmp_path):
+    root = bench_records[0]
+    speedrun("report", root / "a")
+    dom = render(root / "a" / "report.html", tmp_path)
     ok, total = images_loaded(dom)
     assert total == 4 and ok == total                       # histogram, times, curves, schedule
-    rec = json.loads((tmp_path / "b" / "bench.json").read_text())
+    rec = json.loads((root / "a" / "bench.json").read_text())
     assert f"{rec['summary']['test_acc']['mean'] * 100:.3f}" in dom and "p-value" in dom
 
-    speedrun("ablate", "fashion-mnist", "--runs", 2, "--out", tmp_path / "a", "--tricks", "tta", *tiny)
-    speedrun("report", tmp_path / "a")
-    dom = render(tmp_path / "a" / "report.html", tmp_path)
+    speedrun("report", root / "abl")
+    dom = render(root / "abl" / "report.html", tmp_path)
     assert images_loaded(dom) == (1, 1) and "without tta" in dom
 
 

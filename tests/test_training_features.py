@@ -86,7 +86,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(data_dir, 
     assert cut["test_acc"] == whole["test_acc"] and cut["resumed_from_step"] == state_step
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(l) for l in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in ref]
+    assert [(r["train_loss"], r["lr"], r["test_acc"]) for r in rows] == [(r["train_loss"], r["lr"], r["test_acc"])
+                                                                        for r in ref]
 
 
 def test_resume_needs_a_checkpoint(tmp_path):

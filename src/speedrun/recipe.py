@@ -44,7 +44,7 @@ class DataConfig(Section):
                              "or 1 for images of 64 px or less")
     pipeline: Literal["auto", "resident", "streamed"] = "auto"
     workers: int = Field(-1, ge=-1, description="DataLoader worker processes; -1 = one per CPU core, at most 8")
-    decoder: Literal["auto", "pillow", "simplejpeg", "gpu"] = "auto"
+    decoder: Literal["auto", "pillow", "simplejpeg"] = "auto"
     skip_corrupt: bool = Field(False, description="skip unreadable images (and report how many) instead of stopping")
     progressive: list[tuple[float, float]] | None = Field(
         None, description="progressive resizing: [[fraction of training, scale of image_size], ...]")

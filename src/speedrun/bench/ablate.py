@@ -145,6 +145,7 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
     ladder_tricks = tricks_of(recipe, ladder) if ladder else None
     variants = plan(recipe, chosen, ladder_tricks)
     record = {"recipe": recipe.name, "target": recipe.target, "recipe_hash": recipe.digest(),
+              "recipe_config": recipe.to_dict(),
               "runs_per_variant": runs, "epochs_grid": grid, "variants": [],
               "environment": {**environment(), **runtime.describe()}}
     benches: dict[str, dict] = {}

@@ -207,7 +207,6 @@ class Session:
         augment = BatchAugment(r.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
                                resized_crop=not isinstance(data, StreamedData))
         host_rng = np.random.default_rng(seed)
-        weight_group = next(g for g in opt.param_groups if g["name"] == "weight")
 
         step, history, start_epoch, skip = 0, [], 0, 0
         partial = None
@@ -216,6 +215,8 @@ class Session:
                                                                       host_rng, data)
             t0 -= resume["elapsed"]
             paused = resume["paused"]
+        # looked up after any restore: load_state_dict replaces the optimizer's group dicts
+        weight_group = next(g for g in opt.param_groups if g["name"] in ("weight", "filters"))
         last_good, last_good_step = _snapshot(model), step
 
         for epoch in range(start_epoch, n_epochs):

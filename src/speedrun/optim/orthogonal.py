@@ -97,7 +97,11 @@ class OptimizerList:
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = [o for o in optimizers if o.param_groups]
-        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # read each time: load_state_dict replaces an optimizer's group dicts
+        return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self) -> None:
         for o in self.optimizers:
