@@ -104,7 +104,9 @@ def test_flop_count_follows_the_tta_fraction():
 
 
 def test_candidate_recipe_trains_with_orthogonal_filters(data_dir, tmp_path):
-    speedrun("train", "cifar10-94-fast", "--data-dir", data_dir, "--out", tmp_path / "r",
-             "--set", "train.epochs=0.2", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=1000")
+    speedrun("train", "cifar10-94-fast", "--data-dir", data_dir, "--out", tmp_path / "r", "--set", "eval.every=0",
+             "--set", "train.epochs=0.5", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=1000")
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert s["test_acc"] > 0.3                       # 10 steps of a small net on CIFAR-10 (chance: 0.1)
+    # 25 steps of a small net on CIFAR-10 (chance: 0.1); the same run with plain SGD filters
+    # reached 43.7%, this one 50.5%, when it was written
+    assert s["test_acc"] > 0.4

@@ -10,7 +10,7 @@ from pathlib import Path
 from .bench import flops
 from .data.source import open_source
 from .engine import checkpoint as ckpt
-from .engine.batch_finder import is_out_of_memory
+from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.loop import NonFiniteLoss, RunResult, Session
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import TrainingStopped
@@ -78,6 +78,26 @@ def _recipe_for(args) -> tuple[Recipe, dict | None]:
     return recipe, state
 
 
+def _train(recipe: Recipe, source, runtime, record: RunRecord, resume, say):
+    """Build the session and train; with runtime.find_batch, an out-of-memory error during
+    training (the probe before it cannot see everything the run allocates) halves the batch
+    and starts the run again."""
+    while True:
+        session = Session(recipe, source, runtime, say=say)
+        recipe = session.recipe                      # the batch finder may have changed it
+        record.write_config(recipe.to_toml())
+        try:
+            with TrainingProgress(recipe.name) as progress:
+                return session, session.run(progress=progress, checkpoint_dir=record.folder, resume=resume,
+                                            on_epoch=lambda rec: record.append_metrics(vars(rec)))
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not (recipe.runtime.find_batch and is_out_of_memory(err) and resume is None):
+                raise
+            del session, err
+            recipe = halve_batch(recipe, runtime, say)
+            record.reset_metrics()
+
+
 def train_command(args) -> int:
     recipe, resume = _recipe_for(args)
     runtime = resolve_runtime(recipe.runtime, pick_device(args.device))
@@ -89,12 +109,8 @@ def train_command(args) -> int:
     recipe, source = open_source(recipe, args.data_dir)
     say = lambda msg: print(f"speedrun: {msg}")
     try:
-        session = Session(recipe, source, runtime, say=say)
-        recipe = session.recipe                      # the batch finder may have changed it
-        record.write_config(recipe.to_toml())
-        with TrainingProgress(recipe.name) as progress:
-            result = session.run(progress=progress, on_epoch=lambda rec: record.append_metrics(vars(rec)),
-                                 checkpoint_dir=record.folder, resume=resume)
+        session, result = _train(recipe, source, runtime, record, resume, say)
+        recipe = session.recipe
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")
         raise TrainingStopped(

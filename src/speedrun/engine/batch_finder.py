@@ -28,35 +28,51 @@ def _try_step(model, forward, runtime, batch: int, in_channels: int, size: int, 
     model.zero_grad(set_to_none=True)
 
 
+def _smaller(recipe: Recipe, batch: int, device) -> int:
+    k, ghost = recipe.train.accumulate, recipe.model.norm.ghost_batch
+    smaller = batch // 2
+    if smaller < k or (ghost and (smaller // k) % ghost):
+        raise RecipeError(f"out of memory even at data.batch_size={batch} on {device} "
+                          "(the finder cannot halve further); use a smaller model or image size")
+    return smaller
+
+
+def _free(runtime) -> None:
+    gc.collect()
+    if runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _with_batch(recipe: Recipe, batch: int, runtime, say) -> Recipe:
+    new = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]), source=recipe.name)
+    say(f"data.batch_size={recipe.data.batch_size} ran out of memory on {runtime.device}; using {batch}. "
+        f"Per-step LR {step_lr(recipe.optim, recipe.data.batch_size):.4g} -> {step_lr(new.optim, batch):.4g} "
+        f"({recipe.optim.lr_scaling} scaling from optim.ref_batch={recipe.optim.ref_batch})")
+    return new
+
+
+def halve_batch(recipe: Recipe, runtime, say=print) -> Recipe:
+    """The recipe with half the batch, after an out-of-memory error during training."""
+    _free(runtime)
+    return _with_batch(recipe, _smaller(recipe, recipe.data.batch_size, runtime.device), runtime, say)
+
+
 def fit_batch(recipe: Recipe, model, forward, runtime, in_channels: int, size: int, classes: int,
               say=print) -> Recipe:
-    """The recipe with the largest data.batch_size (halving from the recipe's) that trains."""
+    """The recipe with the largest data.batch_size (halving from the recipe's) whose training
+    step fits, probed on random data before the run."""
     batch = recipe.data.batch_size
-    k = recipe.train.accumulate
-    ghost = recipe.model.norm.ghost_batch
     saved = {n: t.detach().clone() for n, t in model.state_dict().items()}
     while True:
         try:
-            _try_step(model, forward, runtime, -(-batch // k), in_channels, size, classes)
+            _try_step(model, forward, runtime, -(-batch // recipe.train.accumulate), in_channels, size, classes)
             break
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_out_of_memory(err):
                 raise
             del err
             model.zero_grad(set_to_none=True)
-            gc.collect()
-            if runtime.device.type == "cuda":
-                torch.cuda.empty_cache()
-            smaller = batch // 2
-            if smaller < k or (ghost and (smaller // k) % ghost):
-                raise RecipeError(f"out of memory even at data.batch_size={batch} on {runtime.device} "
-                                  "(the finder cannot halve further); use a smaller model or image size") from None
-            batch = smaller
+            _free(runtime)
+            batch = _smaller(recipe, batch, runtime.device)
     model.load_state_dict(saved)
-    if batch == recipe.data.batch_size:
-        return recipe
-    new = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]), source=recipe.name)
-    say(f"data.batch_size={recipe.data.batch_size} ran out of memory on {runtime.device}; using {batch}. "
-        f"Per-step LR {step_lr(recipe.optim, recipe.data.batch_size):.4g} -> {step_lr(new.optim, batch):.4g} "
-        f"({recipe.optim.lr_scaling} scaling from optim.ref_batch={recipe.optim.ref_batch})")
-    return new
+    return recipe if batch == recipe.data.batch_size else _with_batch(recipe, batch, runtime, say)

@@ -90,6 +90,11 @@ class RunRecord:
     def write_config(self, toml_text: str) -> None:
         atomic_write_text(self.folder / "config.toml", toml_text)
 
+    def reset_metrics(self) -> None:
+        """Forget the epochs of an attempt that was abandoned (the batch finder retrying)."""
+        self._metrics = []
+        (self.folder / "metrics.jsonl").unlink(missing_ok=True)
+
     def append_metrics(self, row: dict) -> None:
         self._metrics.append(json.dumps(row))
         atomic_write_text(self.folder / "metrics.jsonl", "\n".join(self._metrics) + "\n")
