@@ -8,7 +8,7 @@ R=benchmarks/results
 SR=.venv/bin/speedrun
 PY=.venv/bin/python
 JPEG=${JPEG_DIR:-/tmp/speedrun-cifar10-jpeg}
-STEPS=${STEPS:-"demo bench pipeline folder ablate cifar"}
+STEPS=${STEPS:-"demo bench pipeline folder flops ablate fast cifar"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has demo; then       # issue 2: the Fashion-MNIST demo as a user runs it, start-up included
@@ -35,9 +35,17 @@ if has folder; then     # issue 4: the CIFAR-10 JPEG folder, streamed, then prep
   $SR report $R/folder-cifar10-jpeg-streamed
   $SR report $R/folder-cifar10-jpeg-resident
 fi
+if has flops; then      # issue 5: the arithmetic of the headline recipe and of the candidate
+  $SR flops cifar10-94 --device cpu --data-dir "$DATA" --json $R/flops-cifar10-94-cpu.json
+  $SR flops cifar10-94-fast --device cpu --data-dir "$DATA" --json $R/flops-cifar10-94-fast-cpu.json
+fi
 if has ablate; then     # issue 3: every trick of the demo recipe turned off in turn
   $SR ablate fashion-mnist --runs 2 --data-dir "$DATA" --out $R/ablate-fashion-mnist
   $SR report $R/ablate-fashion-mnist
+fi
+if has fast; then       # issue 5: one full CPU run of the candidate recipe
+  $SR train cifar10-94-fast --device cpu --data-dir "$DATA" --out $R/cifar10-94-fast-cpu
+  $SR report $R/cifar10-94-fast-cpu
 fi
 if has cifar; then      # issue 2: the headline recipe on this CPU
   $SR train cifar10-94 --device cpu --data-dir "$DATA" --out $R/cifar10-94-cpu-final
