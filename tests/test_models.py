@@ -115,3 +115,21 @@ def test_preact_resnet18_parameter_count():
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     post = build_model(ResNetConfig(depth=18, preact=False, stem="cifar"), 3, 10)
     assert post(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name", ["page-resnet9", "dawnbench-resnet18", "cifar10-94", "cifar10-94-fast"])
+def test_cifar_recipe_models_train_a_step_on_real_images(name, cifar10):
+    from speedrun.optim import build_optimizer
+    r = load_recipe(name)
+    torch.manual_seed(0)
+    net = build_model(r.model, 3, 10)
+    x = (cifar10.train_x[:64].float() - 120) / 64
+    if getattr(net, "whiten", None) is not None:
+        net.whiten.fit(x)
+    opt = build_optimizer(net, r.optim, r.data.batch_size)
+    before = [p.detach().clone() for p in net.parameters()]
+    loss = F.cross_entropy(net(x), cifar10.train_y[:64], label_smoothing=r.train.label_smoothing)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
