@@ -40,7 +40,9 @@ if has flops; then      # issue 5: the arithmetic of the headline recipe and of 
   $SR flops cifar10-94-fast --device cpu --data-dir "$DATA" --json $R/flops-cifar10-94-fast-cpu.json
 fi
 if has ablate; then     # issue 3: every trick of the demo recipe turned off in turn
-  $SR ablate fashion-mnist --runs 2 --data-dir "$DATA" --out $R/ablate-fashion-mnist
+  # resumed where an earlier session was cut off (the record says which variants were kept)
+  $SR ablate fashion-mnist --runs 2 --data-dir "$DATA" --out $R/ablate-fashion-mnist \
+    $( [ -f $R/ablate-fashion-mnist/ablate.json ] && echo --resume )
   $SR report $R/ablate-fashion-mnist
 fi
 if has fast; then       # issue 5: one full CPU run of the candidate recipe

@@ -1,6 +1,9 @@
 """bench / compare / ablate / flops on real data, with tiny recipes so that they run in seconds."""
 import json
 import math
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from speedrun.bench.stats import describe, p_mean_at_least, welch
 from speedrun.models import build_model
 from speedrun.recipe import RecipeError, load_recipe
 
+from conftest import TINY_BENCH
 from test_cli import speedrun
 
 
@@ -210,3 +214,48 @@ def test_flops_command_reports_the_split(tmp_path, data_dir):
     assert rec["split"]["data_seconds_per_step"] > 0 and rec["split"]["model_seconds_per_step"] > 0
     assert "data time per epoch" in proc.stdout and sum(p.numel() for p in net.parameters()) > 0
     assert torch.isfinite(torch.tensor(rec["ideal_seconds"]))
+
+
+def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, data_dir):
+    """Interrupt a real ablation once its first variant is written, then resume it: the
+    finished variant is kept as it was and only the missing ones run."""
+    out = tmp_path / "abl"
+    cmd = [sys.executable, "-m", "speedrun", "ablate", "fashion-mnist", "--runs", "2", "--data-dir", str(data_dir),
+           "--out", str(out), *TINY_BENCH, "--tricks", "label_smoothing,tta"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    record_path, first = out / "ablate.json", None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if record_path.exists():
+            first = json.loads(record_path.read_text())
+            if first["variants"]:
+                break
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    interrupted = json.loads(record_path.read_text())
+    assert 1 <= len(interrupted["variants"]) < 3, "the ablation finished before it could be interrupted"
+
+    # a different setting is refused, naming it, and the record is left as it was
+    bad = speedrun(*cmd[3:], "--resume", "--seed", 5, check=False)
+    assert bad.returncode == 2 and "cannot resume" in bad.stderr and "recipe" in bad.stderr
+    bad = speedrun(*[("3" if a == "2" else a) for a in cmd[3:]], "--resume", check=False)
+    assert bad.returncode == 2 and "--runs (2 in the record, 3 now)" in bad.stderr
+    assert json.loads(record_path.read_text()) == interrupted
+
+    speedrun(*cmd[3:], "--resume")
+    done = json.loads(record_path.read_text())
+    assert [v["label"] for v in done["variants"]] == ["recipe", "without label_smoothing", "without tta"]
+    kept = interrupted["variants"]
+    assert done["variants"][:len(kept)] == kept   # kept rows are not rerun (same runs, same times)
+    assert done["resumed"][0]["kept"] == [v["label"] for v in kept]
+    assert all(v["delta_acc"] is not None for v in done["variants"][1:])
+    assert (out / "ablation.png").exists()
+
+
+def test_ablate_resume_needs_a_record(tmp_path, data_dir):
+    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", tmp_path / "none",
+                    "--resume", check=False)
+    assert proc.returncode == 2 and "no ablation to resume" in proc.stderr
+    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--resume", check=False)
+    assert proc.returncode == 2 and "--resume needs --out" in proc.stderr

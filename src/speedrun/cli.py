@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", help="comma-separated tricks to add back one by one, in this order")
     p.add_argument("--epochs-grid", help="fractions of the epochs to also run at, e.g. 0.6,0.8 "
                    "(to interpolate the epochs needed to reach the target)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted ablation in --out: keep "
+                   "its finished variants, run the rest (same recipe, --set, --seed, --runs, grid)")
 
     p = sub.add_parser("flops", help="FLOPs per image and per run, peak, ideal time, data vs model time")
     _recipe_options(p, "")

@@ -6,6 +6,10 @@ turned back on one at a time in the given order, as in Page's series where each 
 trick let training stop earlier. With ``--epochs-grid 0.6,0.8,1.0`` each variant is also
 run at those fractions of its epochs, and the epochs it needs to reach the target mean
 accuracy are interpolated.
+
+An ablation is long (variants x runs), so the record is rewritten after every variant and
+``--resume`` continues an interrupted one: variants already in the record are kept when the
+recipe, runs per variant and epochs grid are the same, and only the missing ones are run.
 """
 from __future__ import annotations
 
@@ -122,6 +126,12 @@ def epochs_to_target(points: list[tuple[float, float]], target: float) -> dict:
     return {"epochs": points[-1][0] if points else None, "bound": ">"}
 
 
+def _same(row: dict | None, variant: dict) -> bool:
+    """Whether a recorded row is this planned variant, finished."""
+    return (row is not None and row.get("overrides") == variant["overrides"]
+            and row.get("against") == variant["against"] and bool(row.get("grid")))
+
+
 def deltas(variant: dict, reference: dict) -> dict:
     """Change of mean accuracy and train+eval time from ``reference`` to ``variant``."""
     acc = welch([r["test_acc"] for r in reference["runs"]], [r["test_acc"] for r in variant["runs"]])
@@ -130,10 +140,30 @@ def deltas(variant: dict, reference: dict) -> dict:
     return {"delta_acc": acc["diff"], "p_acc": acc["p"], "delta_time": tim["diff"], "p_time": tim["p"]}
 
 
+def check_resumable(previous: dict, recipe: Recipe, runs: int, grid: list[float], device_name: str) -> None:
+    """Raise RecipeError naming what differs when ``previous`` (an ablate.json) cannot be
+    continued with these settings."""
+    mismatches = []
+    if previous.get("recipe_hash") != recipe.digest():
+        mismatches.append(f"recipe (hash {previous.get('recipe_hash')} in the record, {recipe.digest()} now: "
+                          "the same recipe, --set values and --seed are needed)")
+    if previous.get("runs_per_variant") != runs:
+        mismatches.append(f"--runs ({previous.get('runs_per_variant')} in the record, {runs} now)")
+    if [float(g) for g in previous.get("epochs_grid", [])] != grid:
+        mismatches.append(f"--epochs-grid ({previous.get('epochs_grid')} in the record, {grid} now)")
+    before = previous.get("environment", {}).get("device_name")
+    if before != device_name:
+        mismatches.append(f"device ({before!r} in the record, {device_name!r} now)")
+    if mismatches:
+        raise RecipeError("cannot resume this ablation; it differs in " + "; ".join(mismatches))
+
+
 def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list[str] | None = None,
                  ladder: list[str] | None = None, grid: list[float] | None = None, out_path=None,
-                 progress=None, on_variant=None) -> dict:
-    """Benchmark every variant (at every grid point) and compute the table's rows."""
+                 progress=None, on_variant=None, previous: dict | None = None) -> dict:
+    """Benchmark every variant (at every grid point) and compute the table's rows.
+
+    ``previous``: an interrupted record of the same ablation; its finished variants are kept."""
     from ..report.environment import environment
     from ..report.record import atomic_write_json
     from .runner import run_bench
@@ -148,8 +178,25 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
               "recipe_config": recipe.to_dict(),
               "runs_per_variant": runs, "epochs_grid": grid, "variants": [],
               "environment": {**environment(), **runtime.describe()}}
+    done: dict[str, dict] = {}
+    if previous is not None:
+        check_resumable(previous, recipe, runs, grid, record["environment"]["device_name"])
+        done = {row["label"]: row for row in previous.get("variants", [])}
+        # the record keeps the environment its first variants ran in; each resumption is listed
+        record["environment"] = previous["environment"]
+        record["resumed"] = previous.get("resumed", []) + [{
+            "kept": [v["label"] for v in variants if _same(done.get(v["label"]), v)],
+            "environment": {**environment(), **runtime.describe()}}]
     benches: dict[str, dict] = {}
     for v in variants:
+        old = done.get(v["label"])
+        if _same(old, v):
+            full = next(p for p in old["grid"] if p["fraction"] == 1.0)
+            benches[v["label"]] = {"runs": full["runs"], "summary": full["summary"]}
+            row = dict(old)
+            row.update(deltas(benches[v["label"]], benches[v["against"]]) if v["against"] else {})
+            record["variants"].append(row)
+            continue
         points, main = [], None
         for g in grid:
             epochs = v["recipe"].train.epochs * g

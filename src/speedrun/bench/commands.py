@@ -1,6 +1,7 @@
 """The ``bench``, ``compare``, ``ablate``, ``flops`` and ``report`` commands."""
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -105,20 +106,39 @@ def compare_command(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------
+def _load_ablation(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunFolderError(f"{path}: no ablation to resume; run without --resume to start one") from None
+    except json.JSONDecodeError as err:
+        raise RunFolderError(f"{path}: not a valid ablate.json ({err}); start again in another --out folder") from None
+    if not isinstance(record, dict) or not isinstance(record.get("variants"), list):
+        raise RunFolderError(f"{path}: not an ablate.json written by `speedrun ablate`")
+    return record
+
+
 def ablate_command(args) -> int:
     from ..report.html import ABLATION_COLUMNS, ablation_rows
     from ..report.plots import ablation_chart
     from ..report.record import atomic_write_bytes
     recipe, runtime = _recipe_and_runtime(args, ["eval.every=0"])
-    folder = _out_folder(args.out, "ablate", recipe.name, "ablate.json")
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None
     grid = [float(g) for g in split(args.epochs_grid)] if args.epochs_grid else None
+    previous = None
+    if args.resume:
+        if args.out is None:
+            raise RunFolderError("--resume needs --out: the folder of the interrupted ablation")
+        previous = _load_ablation(args.out / "ablate.json")
+        folder = args.out
+    else:
+        folder = _out_folder(args.out, "ablate", recipe.name, "ablate.json")
     with TrainingProgress(recipe.name) as progress:
         def on_variant(row):
             progress.bar.console.print(f"{row['label']}: acc {row['test_acc']['mean']:.4f}, "
                                        f"train+eval {row['time']['mean']:.3f} s")
         record = run_ablation(recipe, runtime, args.runs, args.data_dir, split(args.tricks), split(args.ladder),
-                              grid, folder / "ablate.json", progress, on_variant)
+                              grid, folder / "ablate.json", progress, on_variant, previous)
     chart = folder / "ablation.png"
     atomic_write_bytes(chart, ablation_chart(record["variants"], record["target"]))
     t = Table(title=f"ablate {recipe.name}: {args.runs} runs per variant")
