@@ -251,6 +251,8 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, data_dir):
     assert done["resumed"][0]["kept"] == [v["label"] for v in kept]
     assert all(v["delta_acc"] is not None for v in done["variants"][1:])
     assert (out / "ablation.png").exists()
+    speedrun("report", out)
+    assert "resumed (1)" in (out / "report.md").read_text()
 
 
 def test_ablate_resume_needs_a_record(tmp_path, data_dir):

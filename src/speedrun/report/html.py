@@ -122,6 +122,10 @@ def ablate_report(path: Path) -> Report:
     rep = Report(f"speedrun ablate: {a['recipe']} ({a['runs_per_variant']} runs per variant)")
     rep.facts = [("target", _pct(a["target"])), ("epochs grid", ", ".join(f"{g:g}" for g in a["epochs_grid"]))]
     rep.facts += _environment_facts(a["environment"])
+    for i, r in enumerate(a.get("resumed", []), 1):
+        env = r["environment"]
+        rep.facts.append((f"resumed ({i})", f"kept {len(r['kept'])} finished variants; the rest ran at commit "
+                          f"{env.get('git_commit')} (dirty: {env.get('git_dirty')}) on {env.get('device_name')}"))
     rep.tables.append(("variants", ABLATION_COLUMNS, ablation_rows(a)))
     rep.figures.append(("ablation", "change against the reference variant",
                         plots.ablation_chart(a["variants"], a["target"])))
