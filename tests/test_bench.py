@@ -258,6 +258,15 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, data_dir):
 def test_ablate_resume_needs_a_record(tmp_path, data_dir):
     proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", tmp_path / "none",
                     "--resume", check=False)
-    assert proc.returncode == 2 and "no ablation to resume" in proc.stderr
+    assert proc.returncode == 2 and "no such ablate.json (nothing to resume" in proc.stderr
     proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--resume", check=False)
     assert proc.returncode == 2 and "--resume needs --out" in proc.stderr
+
+
+def test_compare_names_a_missing_or_broken_record(tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "bench.json").write_text('{"runs": [')
+    proc = speedrun("compare", tmp_path / "absent", tmp_path / "broken", check=False)
+    assert proc.returncode == 1 and "absent: no such bench.json" in proc.stderr
+    proc = speedrun("compare", tmp_path / "broken", tmp_path / "broken", check=False)
+    assert proc.returncode == 1 and "broken/bench.json: not a valid bench.json" in proc.stderr

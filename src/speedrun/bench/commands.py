@@ -1,7 +1,6 @@
 """The ``bench``, ``compare``, ``ablate``, ``flops`` and ``report`` commands."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..recipe import load_recipe
 from ..report.console import TrainingProgress, make_console
-from ..report.record import RunFolderError, atomic_write_json
+from ..report.record import RunFolderError, atomic_write_json, read_json_record
 from . import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
@@ -106,18 +105,6 @@ def compare_command(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------
-def _load_ablation(path: Path) -> dict:
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RunFolderError(f"{path}: no ablation to resume; run without --resume to start one") from None
-    except json.JSONDecodeError as err:
-        raise RunFolderError(f"{path}: not a valid ablate.json ({err}); start again in another --out folder") from None
-    if not isinstance(record, dict) or not isinstance(record.get("variants"), list):
-        raise RunFolderError(f"{path}: not an ablate.json written by `speedrun ablate`")
-    return record
-
-
 def ablate_command(args) -> int:
     from ..report.html import ABLATION_COLUMNS, ablation_rows
     from ..report.plots import ablation_chart
@@ -129,7 +116,8 @@ def ablate_command(args) -> int:
     if args.resume:
         if args.out is None:
             raise RunFolderError("--resume needs --out: the folder of the interrupted ablation")
-        previous = _load_ablation(args.out / "ablate.json")
+        previous = read_json_record(args.out / "ablate.json", "ablate.json", "variants",
+                                    "nothing to resume; run without --resume to start the ablation")
         folder = args.out
     else:
         folder = _out_folder(args.out, "ablate", recipe.name, "ablate.json")

@@ -4,11 +4,11 @@ Both questions are answered with Welch's t-test (unequal variances) on the per-r
 and the answer is put in one plain sentence."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ..data.download import DataError
+from ..report.record import read_json_record
 from .stats import describe, welch
 
 
@@ -16,14 +16,7 @@ def load_bench(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "bench.json"
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such bench record (make one with `speedrun bench`)") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not a valid bench.json ({err})") from None
-    if not isinstance(record, dict) or not record.get("runs"):
-        raise DataError(f"{path}: holds no runs; it is not a finished `speedrun bench` record")
+    record = read_json_record(path, "bench.json", "runs", "make one with `speedrun bench`", DataError)
     record["_path"] = str(path)
     return record
 

@@ -33,13 +33,9 @@ def _norms(tensors: list[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(tensors))
 
 
-class LARS(torch.optim.Optimizer):
-    """Momentum SGD whose step for each tensor is scaled by eta·‖w‖ / (‖g‖ + wd·‖w‖)."""
-
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, nesterov: bool = False,
-                 weight_decay: float = 0.0, trust_coefficient: float = 0.001, adapt: bool = True):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, adapt=adapt))
+class _LayerwiseOptimizer(torch.optim.Optimizer):
+    """The closure and parameter bookkeeping shared by LARS and LAMB; ``_update`` does one
+    group's step on its tensors that have gradients."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -52,20 +48,35 @@ class LARS(torch.optim.Optimizer):
             if not params:
                 continue
             grads = [p.grad for p in params]
-            bufs = [self._buffer(p) for p in params]
-            wd, momentum = group["weight_decay"], group["momentum"]
-            d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
-            if group["adapt"]:
-                w_norm, g_norm = _norms(params), _norms(grads)
-                ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
-                trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
-                d = torch._foreach_mul(d, trust.unbind())
-            # the buffer starts at zero, so its first value is exactly trust·d
-            torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, d)
-            update = torch._foreach_add(d, bufs, alpha=momentum) if group["nesterov"] else bufs
-            torch._foreach_add_(params, update, alpha=-group["lr"])
+            self._update(group, params, grads)
         return loss
+
+    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        raise NotImplementedError
+
+
+class LARS(_LayerwiseOptimizer):
+    """Momentum SGD whose step for each tensor is scaled by eta·‖w‖ / (‖g‖ + wd·‖w‖)."""
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, nesterov: bool = False,
+                 weight_decay: float = 0.0, trust_coefficient: float = 0.001, adapt: bool = True):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, adapt=adapt))
+
+    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        bufs = [self._buffer(p) for p in params]
+        wd, momentum = group["weight_decay"], group["momentum"]
+        d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
+        if group["adapt"]:
+            w_norm, g_norm = _norms(params), _norms(grads)
+            ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
+            trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+            d = torch._foreach_mul(d, trust.unbind())
+        # the buffer starts at zero, so its first value is exactly trust·d
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, d)
+        update = torch._foreach_add(d, bufs, alpha=momentum) if group["nesterov"] else bufs
+        torch._foreach_add_(params, update, alpha=-group["lr"])
 
     def _buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
@@ -74,47 +85,36 @@ class LARS(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(_LayerwiseOptimizer):
     """Adam with decay added to its direction r, and each tensor's step scaled by ‖w‖ / ‖r‖."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, adapt: bool = True):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            states = [self._moments(p) for p in params]
-            beta1, beta2 = group["betas"]
-            m = [s["exp_avg"] for s in states]
-            v = [s["exp_avg_sq"] for s in states]
-            for s in states:
-                s["step"] += 1                          # a host-side int: no device sync
-            torch._foreach_lerp_(m, grads, 1 - beta1)      # m = beta1·m + (1 - beta1)·g
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-            # r = (m / bc1) / (sqrt(v / bc2) + eps), with bc = 1 - beta**step
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** s["step"]) for s in states])
-            torch._foreach_add_(denom, group["eps"])
-            r = torch._foreach_div(m, denom)
-            torch._foreach_div_(r, [1 - beta1 ** s["step"] for s in states])
-            if group["weight_decay"]:
-                torch._foreach_add_(r, params, alpha=group["weight_decay"])
-            if group["adapt"]:
-                w_norm, r_norm = _norms(params), _norms(r)
-                trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
-                torch._foreach_mul_(r, trust.unbind())
-            torch._foreach_add_(params, r, alpha=-group["lr"])
-        return loss
+    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        states = [self._moments(p) for p in params]
+        beta1, beta2 = group["betas"]
+        m = [s["exp_avg"] for s in states]
+        v = [s["exp_avg_sq"] for s in states]
+        for s in states:
+            s["step"] += 1                          # a host-side int: no device sync
+        torch._foreach_lerp_(m, grads, 1 - beta1)      # m = beta1·m + (1 - beta1)·g
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        # r = (m / bc1) / (sqrt(v / bc2) + eps), with bc = 1 - beta**step
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** s["step"]) for s in states])
+        torch._foreach_add_(denom, group["eps"])
+        r = torch._foreach_div(m, denom)
+        torch._foreach_div_(r, [1 - beta1 ** s["step"] for s in states])
+        if group["weight_decay"]:
+            torch._foreach_add_(r, params, alpha=group["weight_decay"])
+        if group["adapt"]:
+            w_norm, r_norm = _norms(params), _norms(r)
+            trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+            torch._foreach_mul_(r, trust.unbind())
+        torch._foreach_add_(params, r, alpha=-group["lr"])
 
     def _moments(self, p: Tensor) -> dict:
         state = self.state[p]

@@ -27,6 +27,20 @@ class RunFolderError(RuntimeError):
     pass
 
 
+def read_json_record(path: Path, kind: str, key: str, missing_hint: str, error=RunFolderError) -> dict:
+    """Load a JSON record written by speedrun (``kind``: its file name, e.g. ``bench.json``),
+    raising ``error`` naming the file when it is absent, unreadable or lacks ``key``."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such {kind} ({missing_hint})") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not a valid {kind} ({err})") from None
+    if not isinstance(record, dict) or not record.get(key):
+        raise error(f"{path}: holds no {key}; it is not a finished {kind} record")
+    return record
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
