@@ -174,19 +174,18 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
     chosen = tricks_of(recipe, tricks)
     ladder_tricks = tricks_of(recipe, ladder) if ladder else None
     variants = plan(recipe, chosen, ladder_tricks)
+    env = {**environment(), **runtime.describe()}
     record = {"recipe": recipe.name, "target": recipe.target, "recipe_hash": recipe.digest(),
               "recipe_config": recipe.to_dict(),
-              "runs_per_variant": runs, "epochs_grid": grid, "variants": [],
-              "environment": {**environment(), **runtime.describe()}}
+              "runs_per_variant": runs, "epochs_grid": grid, "variants": [], "environment": env}
     done: dict[str, dict] = {}
     if previous is not None:
-        check_resumable(previous, recipe, runs, grid, record["environment"]["device_name"])
+        check_resumable(previous, recipe, runs, grid, env["device_name"])
         done = {row["label"]: row for row in previous.get("variants", [])}
         # the record keeps the environment its first variants ran in; each resumption is listed
         record["environment"] = previous["environment"]
         record["resumed"] = previous.get("resumed", []) + [{
-            "kept": [v["label"] for v in variants if _same(done.get(v["label"]), v)],
-            "environment": {**environment(), **runtime.describe()}}]
+            "kept": [v["label"] for v in variants if _same(done.get(v["label"]), v)], "environment": env}]
     benches: dict[str, dict] = {}
     for v in variants:
         old = done.get(v["label"])
