@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from speedrun.data.augment import (BatchAugment, alternating_flip_mask, crop, cutout, flip,
@@ -61,9 +62,13 @@ def test_draws_are_reproducible_from_the_seed():
     assert int(a["top"].max()) <= 4 and int(a["top"].min()) >= 0
 
 
-def test_resident_data_is_normalised_once_and_epochs_are_permutations(fashion):
+def test_resident_data_stays_uint8_and_epochs_are_permutations(fashion):
     data = ResidentData(fashion, torch.device("cpu"), torch.float32, torch.channels_last, translate=2)
-    assert data.train.shape == (60_000, 1, 32, 32)                      # padded once
+    assert data.train.shape == (60_000, 1, 28, 28) and data.train.dtype == torch.uint8   # no float copy
+    assert data.train.is_contiguous(memory_format=torch.channels_last)
+    x = fashion.train_x.double()
+    assert data.mean.item() == pytest.approx(x.mean().item(), rel=1e-6)
+    assert data.std.item() == pytest.approx(x.std().item(), rel=1e-6)
     sample = data.whitening_sample(60_000)
     assert sample.shape == (60_000, 1, 28, 28)
     assert abs(float(sample.mean())) < 1e-3 and abs(float(sample.std()) - 1) < 1e-3
@@ -83,7 +88,7 @@ def test_an_epoch_visits_distinct_images_in_a_new_order(fashion):
                        data.device)
     w = torch.randn(1 * 28 * 28, dtype=torch.float64)
     fingerprint = lambda x: (x.flatten(1).double() @ w)
-    known = sorted(round(v, 6) for v in fingerprint(data.train).tolist())   # the set has duplicates
+    known = sorted(round(v, 6) for v in fingerprint(data.normalise(data.train)).tolist())   # the set has duplicates
     orders = []
     for seed in (0, 1):
         seen = torch.cat([fingerprint(x) for x, _ in data.epoch(0, 10_000, aug, torch.Generator().manual_seed(seed))])

@@ -52,7 +52,8 @@ def test_config_is_the_fully_resolved_recipe(quick_run):
     config = tomllib.loads((out / "config.toml").read_text())
     assert config["train"]["epochs"] == 0.25 and config["train"]["seed"] == 3
     assert config["model"]["widths"] == [16, 32, 32]
-    assert config["runtime"] == {"precision": "auto", "compile": "auto", "channels_last": "auto", "find_batch": False}
+    assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default", "channels_last": True,
+                                 "find_batch": False}
     assert load_recipe(str(out / "config.toml")).eval.tta == "flip"
 
 
@@ -60,7 +61,7 @@ def test_metrics_have_one_line_per_epoch(quick_run):
     out, _ = quick_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
-    assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds"}
+    assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds", "skipped_steps"}
     summary = json.loads((out / "summary.json").read_text())
     assert rows[0]["test_acc"] == summary["test_acc_no_tta"]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speedrun.data import DataError
+from speedrun.errors import RunFolderError
 from speedrun.data.arrays import load_npz, open_npz
 from speedrun.data.folder import decode, folder_splits, scan, split
 from speedrun.data.prepare import export, prepare
@@ -71,6 +72,12 @@ def test_folder_errors_are_clear(tmp_path):
     with pytest.raises(DataError, match="no images found"):
         folder_splits(tmp_path / "one", 0.1, 0)
     (tmp_path / "one" / "cats" / "a.png").write_bytes(b"")
+    with pytest.raises(DataError, match="only one class folder \\('cats'\\)"):
+        folder_splits(tmp_path / "one", 0.1, 0)
+    (tmp_path / "one" / "dogs").mkdir()
+    with pytest.raises(DataError, match="class folder\\(s\\) 'dogs' hold no images"):
+        folder_splits(tmp_path / "one", 0.1, 0)
+    (tmp_path / "one" / "dogs" / "b.png").write_bytes(b"")
     with pytest.raises(DataError, match="val_fraction"):
         folder_splits(tmp_path / "one", 0.0, 0)
 
@@ -113,7 +120,7 @@ def test_prepare_writes_a_memory_mapped_npz_equal_to_decoding(jpeg_dir, tmp_path
     path = train.path(11)
     assert np.array_equal(ds.train_x[11].permute(1, 2, 0).numpy(), decode(path.read_bytes(), path, 3))
     assert ds.train_y[11] == train.labels[11] and ds.classes == train.classes
-    with pytest.raises(DataError, match="already exists"):
+    with pytest.raises(RunFolderError, match="already exists"):
         prepare(jpeg_dir, 32, out)
 
 

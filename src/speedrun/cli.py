@@ -2,14 +2,69 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from . import __version__
+from .errors import SpeedrunError
 
 
-def _recipe_options(p, out_help: str, optional: bool = False) -> None:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not above 0")
+    return value
+
+
+def _int_range(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not between {lo} and {hi}")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 1 (exclusive)")
+    return value
+
+
+def _fractions(text: str) -> list[float]:
+    """'0.6,0.8' -> [0.6, 0.8]: fractions of the epochs, each in (0, 1]."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number (expected e.g. 0.6,0.8)") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{value} is not a fraction of the epochs in (0, 1]")
+        values.append(value)
+    return values
+
+
+LOG_HELP = ("when output is not a terminal, print a progress line every N steps ('100') or seconds "
+            "('30s', the default)")
+
+
+def _recipe_options(p, out_help: str, optional: bool = False, log: bool = True) -> None:
     p.add_argument("recipe", nargs="?" if optional else None,
                    help="a shipped recipe name (see `speedrun recipes`) or a .toml path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -19,6 +74,8 @@ def _recipe_options(p, out_help: str, optional: bool = False) -> None:
     p.add_argument("--seed", type=int, help="seed (train.seed); bench and ablate use seed, seed+1, ...")
     if out_help:
         p.add_argument("--out", type=Path, help=out_help)
+    if log:
+        p.add_argument("--log-every", metavar="N|Ns", help=LOG_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,28 +94,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="N seeded runs in one process, with statistics (bench.json)")
     _recipe_options(p, "folder for bench.json (default: a new folder under runs/)")
-    p.add_argument("--runs", type=int, required=True, help="number of runs")
+    p.add_argument("--runs", type=_positive_int, required=True, help="number of runs")
 
     p = sub.add_parser("compare", help="compare two bench records with Welch t-tests")
     p.add_argument("a", help="A: bench.json or its folder")
     p.add_argument("b", help="B: bench.json or its folder")
     p.add_argument("--region", default="train+eval", help="timing region (train+eval, end_to_end, run_start_to_stop)")
-    p.add_argument("--alpha", type=float, default=0.05, help="significance level (default 0.05)")
+    p.add_argument("--alpha", type=_fraction, default=0.05, help="significance level (default 0.05)")
     p.add_argument("--json", help="also write the comparison to this JSON file")
 
     p = sub.add_parser("ablate", help="benchmark the recipe with each trick turned off in turn")
     _recipe_options(p, "folder for ablate.json and ablation.png (default: a new folder under runs/)")
-    p.add_argument("--runs", type=int, required=True, help="runs per variant")
+    p.add_argument("--runs", type=_positive_int, required=True, help="runs per variant")
     p.add_argument("--tricks", help="comma-separated tricks to ablate (default: every trick the recipe uses)")
     p.add_argument("--ladder", help="comma-separated tricks to add back one by one, in this order")
-    p.add_argument("--epochs-grid", help="fractions of the epochs to also run at, e.g. 0.6,0.8 "
+    p.add_argument("--epochs-grid", type=_fractions, help="fractions of the epochs to also run at, e.g. 0.6,0.8 "
                    "(to interpolate the epochs needed to reach the target)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted ablation in --out: keep "
                    "its finished variants, run the rest (same recipe, --set, --seed, --runs, grid)")
 
     p = sub.add_parser("flops", help="FLOPs per image and per run, peak, ideal time, data vs model time")
-    _recipe_options(p, "")
-    p.add_argument("--steps", type=int, default=10, help="training steps to time for the data/model split")
+    _recipe_options(p, "", log=False)
+    p.add_argument("--steps", type=_positive_int, default=10, help="training steps to time for the data/model split")
     p.add_argument("--json", help="also write the figures to this JSON file")
 
     p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
@@ -68,18 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = data.add_subparsers(dest="data_command", required=True)
     p = dsub.add_parser("prepare", help="decode an image folder once into a fixed-size uint8 .npz (memory-mapped)")
     p.add_argument("src", help="image folder (train/ and val/, or one folder to split)")
-    p.add_argument("--size", type=int, required=True, help="side of the square images, in pixels")
+    p.add_argument("--size", type=_int_range(8, 4096), required=True, help="side of the square images, in pixels")
     p.add_argument("--out", type=Path, required=True, help="the .npz file to write")
-    p.add_argument("--val-fraction", type=float, default=0.0, help="held-out fraction when there is no val/")
-    p.add_argument("--seed", type=int, default=0, help="seed of that split")
-    p.add_argument("--workers", type=int, default=-1, help="decoding processes (default: one per core, at most 8)")
+    p.add_argument("--val-fraction", type=_fraction, default=None, help="held-out fraction when there is no val/")
+    p.add_argument("--seed", type=_int_range(0, 2**63 - 1), default=0, help="seed of that split")
+    p.add_argument("--workers", type=_int_range(-1, 256), default=-1, help="decoding processes (default: one per core, at most 8)")
     p.add_argument("--skip-corrupt", action="store_true", help="skip unreadable images instead of stopping")
     p = dsub.add_parser("export", help="write a built-in dataset as train/<class>/ and val/<class>/ images")
     p.add_argument("dataset", choices=["cifar10", "cifar100", "fashion-mnist"])
     p.add_argument("--format", choices=["png", "jpeg"], default="png")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--quality", type=int, default=95, help="JPEG quality")
-    p.add_argument("--limit", type=int, help="only the first N images of each split")
+    p.add_argument("--quality", type=_int_range(1, 100), default=95, help="JPEG quality, 1 to 100")
+    p.add_argument("--limit", type=_positive_int, help="only the first N images of each split")
     p.add_argument("--data-dir", help="where the dataset is (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
     return parser
 
@@ -88,13 +145,45 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     args.started = started
-    from .errors import report_errors
-    with report_errors() as status:
-        status.code = dispatch(args)
-    return status.code
+    try:
+        return dispatch(args)
+    except SpeedrunError as err:
+        print(f"speedrun: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("speedrun: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:                        # a bug: one line, the traceback in a file
+        path = save_traceback(err)
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        print(f"speedrun: internal error: {type(err).__name__}: {first}\nThis is a bug in speedrun; the "
+              f"traceback is in {path} (please include it when you report it).", file=sys.stderr)
+        return 1
+
+
+def save_traceback(err: BaseException) -> str:
+    """Write ``err``'s traceback to a file and return its path (under $SPEEDRUN_CRASH_DIR,
+    ~/.cache/speedrun/crashes or the temporary folder, the first that can be written)."""
+    text = "".join(traceback.format_exception(err))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    places = [os.environ.get("SPEEDRUN_CRASH_DIR"), os.path.expanduser("~/.cache/speedrun/crashes"),
+              tempfile.gettempdir()]
+    for place in filter(None, places):
+        try:
+            os.makedirs(place, exist_ok=True)
+            fd, path = tempfile.mkstemp(dir=place, prefix=f"speedrun-crash-{stamp}-", suffix=".txt")
+            with os.fdopen(fd, "w") as f:
+                f.write(f"speedrun {__version__}, {' '.join(sys.argv)}\n\n{text}")
+            return path
+        except OSError:
+            continue
+    return "(nowhere: no writable folder; set SPEEDRUN_CRASH_DIR)"
 
 
 def dispatch(args) -> int:
+    if hasattr(args, "log_every"):
+        from .report.console import LogEvery
+        args.log_every = LogEvery.parse(args.log_every)
     if args.command == "train":
         from .train import train_command
         if args.find_batch:
@@ -113,7 +202,8 @@ def data_command(args) -> int:
     from .data.prepare import export, prepare
     from .report.console import print_table
     if args.data_command == "prepare":
-        out = prepare(args.src, args.size, args.out, args.val_fraction, args.seed, args.workers, args.skip_corrupt)
+        out = prepare(args.src, args.size, args.out, args.val_fraction or 0.0, args.seed, args.workers,
+                      args.skip_corrupt)
         print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
     else:
         out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit)

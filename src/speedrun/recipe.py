@@ -9,17 +9,18 @@ from __future__ import annotations
 import difflib
 import hashlib
 import math
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import RecipeError
 
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message names the field or file."""
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 
 class Section(BaseModel):
@@ -42,7 +43,6 @@ class DataConfig(Section):
     image_size: int = Field(0, ge=0, description="streamed: training crop size in pixels; 0 = from the data")
     eval_crop: float = Field(0.0, ge=0, le=1, description="streamed eval: centre crop fraction; 0 = 0.875, "
                              "or 1 for images of 64 px or less")
-    pipeline: Literal["auto", "resident", "streamed"] = "auto"
     workers: int = Field(-1, ge=-1, description="DataLoader worker processes; -1 = one per CPU core, at most 8")
     decoder: Literal["auto", "pillow", "simplejpeg"] = "auto"
     skip_corrupt: bool = Field(False, description="skip unreadable images (and report how many) instead of stopping")
@@ -176,6 +176,16 @@ class OptimConfig(Section):
     filter_momentum: float = Field(0.6, ge=0, lt=1, description="orthogonal filters: Nesterov momentum")
     ns_steps: int = Field(3, ge=1, le=10, description="orthogonal filters: Newton-Schulz iterations")
     filter_norm_every: int = Field(1, ge=0, description="orthogonal filters: reset filter norms every N steps; 0 = never")
+    filter_weight_decay: float = Field(0.0, ge=0, description="orthogonal filters: decoupled decay per ref_batch "
+                                       "examples at peak, as optim.weight_decay; needs filter_norm_every != 1")
+
+    @model_validator(mode="after")
+    def _filter_decay(self):
+        if self.filter_weight_decay and self.filters == "orthogonal" and self.filter_norm_every == 1:
+            raise ValueError("optim.filter_weight_decay has no effect with optim.filter_norm_every = 1: the "
+                             "filters' norms are reset every step, which undoes the decay; set it to 0, or "
+                             "reset the norms less often")
+        return self
 
 
 class PiecewiseSchedule(Section):
@@ -268,12 +278,15 @@ class EvalConfig(Section):
 class RuntimeConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
-    channels_last: Literal["auto", "on", "off"] = "auto"
+    compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = Field(
+        "default", description="torch.compile mode: reduce-overhead replays CUDA graphs (CUDA only), "
+        "max-autotune also searches kernel configurations")
+    channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
 
 
 class Recipe(Section):
-    name: str
+    name: str = Field(description="names the run folder (runs/NAME-TIME): letters, digits, '.', '_', '+', '-'")
     description: str = ""
     target: float = Field(0.9, gt=0, le=1, description="test accuracy the recipe aims for")
     data: DataConfig
@@ -287,6 +300,14 @@ class Recipe(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not NAME_PATTERN.fullmatch(name):
+            raise ValueError("a recipe name names its run folders, so it may hold only letters, digits, "
+                             "'.', '_', '+' and '-' (no '/', no '..', at most 100 characters)")
+        return name
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -354,6 +375,9 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
     path = Path(name_or_path)
     if name_or_path in shipped:
         path = shipped[name_or_path]
+    elif path.is_dir():
+        raise RecipeError(f"{path}: is a folder; give a recipe name or a .toml file "
+                          "(to continue a run in a folder: speedrun train --resume FOLDER)")
     elif not path.is_file():
         hint = difflib.get_close_matches(name_or_path, shipped, n=1)
         raise RecipeError(
@@ -361,9 +385,13 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
             + (f"; did you mean {hint[0]!r}?" if hint else "")
             + f" Shipped recipes: {', '.join(sorted(shipped))}.")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); a recipe is a TOML text file") from None
+    except OSError as err:
+        raise RecipeError(f"{path}: cannot read the recipe ({err.strerror})") from None
     return recipe_from_dict(apply_overrides(raw, overrides or []), source=str(path))
 
 

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from .bench import flops
 from .data.source import open_source
 from .engine import checkpoint as ckpt
 from .engine.batch_finder import halve_batch, is_out_of_memory
-from .engine.loop import NonFiniteLoss, RunResult, Session
+from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session
 from .engine.runtime import device_name, pick_device, resolve_runtime
-from .errors import TrainingStopped
-from .recipe import Recipe, RecipeError, load_recipe
+from .errors import RecipeError, TrainingStopped
+from .files import check_output_folder
+from .recipe import Recipe, load_recipe
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import RunRecord, new_run_dir
@@ -35,6 +35,12 @@ def flop_figures(recipe: Recipe, result: RunResult, session: Session) -> dict:
     return {**total, **eff}
 
 
+TRAIN_SECONDS_REGION = ("first touch of the training data (moving it to the device, channel statistics, "
+                        "whitening) to the final TTA accuracy, the device synchronised at both ends; excludes "
+                        "the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
+                        "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
+
+
 def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, wall: float) -> dict:
     return {
         "recipe": recipe.name,
@@ -48,11 +54,11 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "steps": result.steps,
         "batch_size": recipe.data.batch_size,
         "train_seconds": result.train_seconds,
-        "train_seconds_region": "first touch of the training data (incl. preprocessing and "
-                                "whitening) to the final TTA accuracy; excludes compile warm-up "
-                                "and per-epoch monitoring evaluations",
+        "train_seconds_region": TRAIN_SECONDS_REGION,
         "compile_seconds": session.compile_seconds,
         "monitor_seconds": result.monitor_seconds,
+        "bookkeeping_seconds": result.bookkeeping_seconds,
+        "recompiles": result.recompiles,
         "wall_seconds": wall,
         "seed": result.seed,
         "skipped_images": result.skipped_images,
@@ -63,31 +69,40 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
     }
 
 
-def _recipe_for(args) -> tuple[Recipe, dict | None]:
-    """The recipe to train, and the checkpoint when resuming (whose run's config.toml is the recipe)."""
+def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
+    """The recipe to train, the checkpoint when resuming (whose run's config.toml is the
+    recipe) and the resumed run's folder. Everything is checked before anything is written."""
     overrides = list(args.overrides) + ([f"train.seed={args.seed}"] if args.seed is not None else [])
     if not args.resume:
         if not args.recipe:
             raise RecipeError("speedrun train needs a RECIPE (or --resume RUN_DIR)")
-        return load_recipe(args.recipe, overrides), None
-    folder = Path(args.resume)
-    state = ckpt.load(folder)
-    recipe = load_recipe(str((folder if folder.is_dir() else folder.parent) / "config.toml"), overrides)
+        return load_recipe(args.recipe, overrides), None, None
+    path = Path(args.resume)
+    folder = path if path.is_dir() else path.parent
+    state = ckpt.load(path)
+    recipe = load_recipe(str(folder / "config.toml"), overrides)
     if args.recipe and load_recipe(args.recipe, overrides).name != recipe.name:
         raise RecipeError(f"--resume {folder} is a run of {recipe.name!r}, not {args.recipe!r}")
-    return recipe, state
+    if recipe.digest() != state["recipe_hash"]:
+        what = f" with {' '.join('--set ' + o for o in overrides)}" if overrides else ""
+        raise RecipeError(f"--resume {folder}{what}: the recipe differs from the one the checkpoint was written "
+                          f"by, so the run cannot continue; resume without --set/--seed (nothing was changed "
+                          f"in {folder})")
+    return recipe, state, folder
 
 
-def _train(recipe: Recipe, source, runtime, record: RunRecord, resume, say):
+def _train(recipe: Recipe, source, runtime, record: RunRecord, resume, say, log_every):
     """Build the session and train; with runtime.find_batch, an out-of-memory error during
     training (the probe before it cannot see everything the run allocates) halves the batch
     and starts the run again."""
     while True:
         session = Session(recipe, source, runtime, say=say)
         recipe = session.recipe                      # the batch finder may have changed it
-        record.write_config(recipe.to_toml())
+        check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
+        if resume is None:
+            record.write_config(recipe.to_toml())
         try:
-            with TrainingProgress(recipe.name) as progress:
+            with TrainingProgress(recipe.name, log_every) as progress:
                 return session, session.run(progress=progress, checkpoint_dir=record.folder, resume=resume,
                                             on_epoch=lambda rec: record.append_metrics(vars(rec)))
         except (torch.OutOfMemoryError, RuntimeError) as err:
@@ -98,24 +113,41 @@ def _train(recipe: Recipe, source, runtime, record: RunRecord, resume, say):
             record.reset_metrics()
 
 
+def _bytes_needed(session: Session) -> int:
+    """Disk the run folder needs: the weights (model.pt, last_good.pt) and, with checkpoints,
+    a checkpoint (weights, optimizer state, average) written beside the one it replaces."""
+    weights = sum(t.numel() * t.element_size() for t in session.model.state_dict().values())
+    c = session.recipe.checkpoint
+    return weights * (2 + (8 if (c.every_steps or c.every_epochs) else 0)) + (1 << 20)
+
+
 def train_command(args) -> int:
-    recipe, resume = _recipe_for(args)
+    recipe, resume, folder = _recipe_for(args)
     runtime = resolve_runtime(recipe.runtime, pick_device(args.device))
-    folder = Path(args.resume) if resume is not None else (args.out or new_run_dir(recipe.name))
-    if resume is not None and not folder.is_dir():
-        folder = folder.parent
-    record = RunRecord(folder, resume_history=[h for h in resume["history"]] if resume else None)
+    folder = folder or args.out or new_run_dir(recipe.name)
+    record = RunRecord(folder, resume_history=resume["history"] if resume is not None else None)
+    try:
+        return _train_into(record, recipe, resume, runtime, args)
+    except BaseException:
+        record.discard()                   # a failed run leaves no empty folder behind
+        raise
+
+
+def _train_into(record: RunRecord, recipe: Recipe, resume, runtime, args) -> int:
     env = environment()
     recipe, source = open_source(recipe, args.data_dir)
     say = lambda msg: print(f"speedrun: {msg}")
     try:
-        session, result = _train(recipe, source, runtime, record, resume, say)
+        session, result = _train(recipe, source, runtime, record, resume, say, args.log_every)
         recipe = session.recipe
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")
         raise TrainingStopped(
             f"{err}. The last good weights (after step {err.last_good_step}) are in {path}. "
             "Lower optim.lr, or check the data, then run again.") from None
+    except DataFailure as err:
+        path = record.save_weights(err.last_good, "last_good.pt")
+        raise TrainingStopped(f"{err.error} The weights after step {err.last_good_step} are kept in {path}.") from None
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
@@ -134,6 +166,8 @@ def train_command(args) -> int:
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("record", str(record.folder)),
     ]
+    if result.recompiles:
+        rows.insert(6, ("recompiles during the run", str(result.recompiles)))
     if result.skipped_images:
         rows.insert(4, ("unreadable images skipped", str(result.skipped_images)))
     if result.resumed_from_step is not None:

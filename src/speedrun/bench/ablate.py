@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..recipe import Recipe, RecipeError, recipe_from_dict, apply_overrides
+from ..errors import RecipeError, RecordError
+from ..files import atomic_write_json
+from ..recipe import Recipe, apply_overrides, recipe_from_dict
 from .stats import welch
 
 
@@ -129,7 +131,8 @@ def epochs_to_target(points: list[tuple[float, float]], target: float) -> dict:
 def _same(row: dict | None, variant: dict) -> bool:
     """Whether a recorded row is this planned variant, finished."""
     return (row is not None and row.get("overrides") == variant["overrides"]
-            and row.get("against") == variant["against"] and bool(row.get("grid")))
+            and row.get("against") == variant["against"]
+            and any(p.get("fraction") == 1.0 for p in row.get("grid") or []))
 
 
 def deltas(variant: dict, reference: dict) -> dict:
@@ -138,6 +141,25 @@ def deltas(variant: dict, reference: dict) -> dict:
     tim = welch([r["times"]["train+eval"] for r in reference["runs"]],
                 [r["times"]["train+eval"] for r in variant["runs"]])
     return {"delta_acc": acc["diff"], "p_acc": acc["p"], "delta_time": tim["diff"], "p_time": tim["p"]}
+
+
+def check_record(previous: dict, path) -> None:
+    """RecordError naming ``path`` unless ``previous`` has the shape of an ablate.json."""
+    def bad(where: str):
+        return RecordError(f"{path}: entry {where} is missing or damaged; it is not an ablate.json that "
+                           "speedrun can resume (start a new ablation with another --out)")
+    if not isinstance(previous.get("environment"), dict) or not isinstance(previous.get("variants"), list):
+        raise bad("'environment' or 'variants'")
+    grid = previous.get("epochs_grid")
+    if not isinstance(grid, list) or not all(isinstance(g, (int, float)) for g in grid):
+        raise bad("'epochs_grid'")
+    for i, row in enumerate(previous["variants"]):
+        if not isinstance(row, dict) or not isinstance(row.get("label"), str) or not isinstance(row.get("grid"), list):
+            raise bad(f"variants[{i}]")
+        for j, point in enumerate(row["grid"]):
+            if not (isinstance(point, dict) and isinstance(point.get("runs"), list)
+                    and isinstance(point.get("summary"), dict) and isinstance(point.get("fraction"), (int, float))):
+                raise bad(f"variants[{i}].grid[{j}]")
 
 
 def check_resumable(previous: dict, recipe: Recipe, runs: int, grid: list[float], device_name: str) -> None:
@@ -165,7 +187,6 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
 
     ``previous``: an interrupted record of the same ablation; its finished variants are kept."""
     from ..report.environment import environment
-    from ..report.record import atomic_write_json
     from .runner import run_bench
 
     grid = sorted(set(grid or [1.0]))
@@ -180,6 +201,7 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
               "runs_per_variant": runs, "epochs_grid": grid, "variants": [], "environment": env}
     done: dict[str, dict] = {}
     if previous is not None:
+        check_record(previous, out_path)
         check_resumable(previous, recipe, runs, grid, env["device_name"])
         done = {row["label"]: row for row in previous.get("variants", [])}
         # the record keeps the environment its first variants ran in; each resumption is listed

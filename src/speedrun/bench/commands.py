@@ -7,13 +7,13 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..data import DataError
 from ..data.source import open_source
 from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
+from ..errors import RecordError, RunFolderError
+from ..files import OutputFolder, atomic_write_bytes, atomic_write_json, check_output_file, read_json_record
 from ..recipe import load_recipe
 from ..report.console import TrainingProgress, make_console
-from ..report.record import RunFolderError, atomic_write_json, read_json_record
 from . import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
@@ -29,13 +29,13 @@ def _fmt(d: dict, scale: float = 1.0, digits: int = 3) -> str:
     return f"{d['mean'] * scale:.{digits}f} ± {std}{ci}"
 
 
-def _out_folder(path: Path | None, kind: str, recipe: str, filename: str) -> Path:
+def _out_folder(path: Path | None, kind: str, recipe: str, filename: str) -> OutputFolder:
+    """The command's output folder, checked (nothing is written yet)."""
     folder = path or Path("runs") / f"{kind}-{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     if (folder / filename).exists():
         raise RunFolderError(f"{folder / filename} already exists; pass another --out folder so that no "
                              "record is overwritten")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return OutputFolder(folder)
 
 
 def _recipe_and_runtime(args, defaults: list[str]):
@@ -49,14 +49,17 @@ def bench_command(args) -> int:
     # monitoring evaluations are off unless asked for: they only cost wall time
     recipe, runtime = _recipe_and_runtime(args, ["eval.every=0"])
     folder = _out_folder(args.out, "bench", recipe.name, "bench.json")
-    path = folder / "bench.json"
-    with TrainingProgress(recipe.name) as progress:
-        def on_run(i, run):
-            progress.bar.console.print(
-                f"run {i + 1}/{args.runs} seed {run['seed']}: acc {run['test_acc']:.4f} "
-                f"(no TTA {run['test_acc_no_tta']:.4f}), train+eval {run['times']['train+eval']:.3f} s")
-        record = run_bench(recipe, runtime, args.runs, args.data_dir, out_path=path, progress=progress,
-                           on_run=on_run)
+    path = folder.path / "bench.json"
+    try:
+        with TrainingProgress(recipe.name, args.log_every) as progress:
+            def on_run(i, run):
+                progress.print(f"run {i + 1}/{args.runs} seed {run['seed']}: acc {run['test_acc']:.4f} "
+                               f"(no TTA {run['test_acc_no_tta']:.4f}), train+eval {run['times']['train+eval']:.3f} s")
+            record = run_bench(recipe, runtime, args.runs, args.data_dir, out_path=path, progress=progress,
+                               on_run=on_run)
+    except BaseException:
+        folder.discard()
+        raise
     print_bench(record, path)
     return 0
 
@@ -83,6 +86,8 @@ def print_bench(record: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------
 def compare_command(args) -> int:
+    if args.json:
+        check_output_file(Path(args.json), "--json")
     a, b = load_bench(args.a), load_bench(args.b)
     result = compare(a, b, args.region, args.alpha)
     t = Table(title=f"compare ({args.region})")
@@ -108,26 +113,30 @@ def compare_command(args) -> int:
 def ablate_command(args) -> int:
     from ..report.html import ABLATION_COLUMNS, ablation_rows
     from ..report.plots import ablation_chart
-    from ..report.record import atomic_write_bytes
     recipe, runtime = _recipe_and_runtime(args, ["eval.every=0"])
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None
-    grid = [float(g) for g in split(args.epochs_grid)] if args.epochs_grid else None
+    grid = args.epochs_grid
     previous = None
     if args.resume:
         if args.out is None:
             raise RunFolderError("--resume needs --out: the folder of the interrupted ablation")
         previous = read_json_record(args.out / "ablate.json", "ablate.json", "variants",
-                                    "nothing to resume; run without --resume to start the ablation")
-        folder = args.out
+                                    "nothing to resume; run without --resume to start the ablation",
+                                    RunFolderError)
+        folder = OutputFolder(args.out)
     else:
         folder = _out_folder(args.out, "ablate", recipe.name, "ablate.json")
-    with TrainingProgress(recipe.name) as progress:
-        def on_variant(row):
-            progress.bar.console.print(f"{row['label']}: acc {row['test_acc']['mean']:.4f}, "
-                                       f"train+eval {row['time']['mean']:.3f} s")
-        record = run_ablation(recipe, runtime, args.runs, args.data_dir, split(args.tricks), split(args.ladder),
-                              grid, folder / "ablate.json", progress, on_variant, previous)
-    chart = folder / "ablation.png"
+    try:
+        with TrainingProgress(recipe.name, args.log_every) as progress:
+            def on_variant(row):
+                progress.print(f"{row['label']}: acc {row['test_acc']['mean']:.4f}, "
+                               f"train+eval {row['time']['mean']:.3f} s")
+            record = run_ablation(recipe, runtime, args.runs, args.data_dir, split(args.tricks), split(args.ladder),
+                                  grid, folder.path / "ablate.json", progress, on_variant, previous)
+    except BaseException:
+        folder.discard()
+        raise
+    chart = folder.path / "ablation.png"
     atomic_write_bytes(chart, ablation_chart(record["variants"], record["target"]))
     t = Table(title=f"ablate {recipe.name}: {args.runs} runs per variant")
     for col in ABLATION_COLUMNS:
@@ -135,13 +144,15 @@ def ablate_command(args) -> int:
     for row in ablation_rows(record):
         t.add_row(*row)
     out.print(t)
-    out.print(f"record: {folder / 'ablate.json'}\nchart: {chart}")
+    out.print(f"record: {folder.path / 'ablate.json'}\nchart: {chart}")
     return 0
 
 
 # ------------------------------------------------------------------------------------------
 def flops_command(args) -> int:
     recipe, runtime = _recipe_and_runtime(args, [])
+    if args.json:
+        check_output_file(Path(args.json), "--json", overwrite=True)
     recipe, ds = open_source(recipe, args.data_dir)
     per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
     session = Session(recipe, ds, runtime, warm_up=True)
@@ -181,7 +192,7 @@ def report_command(args) -> int:
     from ..report.html import write_report
     target = Path(args.target)
     if not target.is_dir():
-        raise DataError(f"{target}: not a folder; pass a run folder or the folder holding bench.json/ablate.json")
+        raise RecordError(f"{target}: not a folder; pass a run folder or the folder holding bench.json/ablate.json")
     html_path, md_path = write_report(target)
     out.print(f"wrote {html_path}\nwrote {md_path}")
     return 0

@@ -20,7 +20,7 @@ from ..engine.loop import Session
 from ..engine.runtime import Runtime
 from ..recipe import Recipe
 from ..report.environment import environment
-from ..report.record import atomic_write_json
+from ..files import atomic_write_json
 from . import flops
 from .stats import describe, p_mean_at_least
 

@@ -1,5 +1,5 @@
 """Datasets: finding and verifying files, device-resident batches, batched augmentation."""
-from .download import DataError
+from ..errors import DataError
 from .sources import ArrayDataset, load_dataset
 
 __all__ = ["ArrayDataset", "DataError", "load_dataset"]

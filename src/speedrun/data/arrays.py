@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .download import DataError
+from ..errors import DataError
 from .sources import ArrayDataset
 
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
@@ -89,12 +89,23 @@ def load_npz(path: str | Path) -> ArrayDataset:
     for x, y, split in ((train_x, ys["y_train"], "train"), (test_x, ys["y_test"], "test")):
         if len(x) != len(y):
             raise DataError(f"{path}: {len(x)} {split} images but {len(y)} labels")
+        if len(x) == 0:
+            raise DataError(f"{path}: x_{split} holds no images")
     if train_x.shape[1:] != test_x.shape[1:]:
         raise DataError(f"{path}: train images are {tuple(train_x.shape[1:])}, test images {tuple(test_x.shape[1:])}")
-    n_classes = int(max(ys["y_train"].max(), ys["y_test"].max())) + 1
-    if int(min(ys["y_train"].min(), ys["y_test"].min())) < 0:
-        raise DataError(f"{path}: negative labels")
-    classes = [str(c) for c in arrays["classes"]] if "classes" in arrays else [str(i) for i in range(n_classes)]
-    if len(classes) < n_classes:
-        raise DataError(f"{path}: labels go up to {n_classes - 1} but only {len(classes)} classes are named")
+    low = int(min(ys["y_train"].min(), ys["y_test"].min()))
+    high = int(max(ys["y_train"].max(), ys["y_test"].max()))
+    if low < 0:
+        raise DataError(f"{path}: negative labels (down to {low}); labels are class numbers 0..K-1")
+    if "classes" in arrays:
+        classes = [str(c) for c in np.asarray(arrays["classes"]).reshape(-1)]
+        if high >= len(classes):
+            raise DataError(f"{path}: labels go up to {high} but only {len(classes)} classes are named")
+    else:
+        if high >= len(ys["y_train"]):
+            raise DataError(f"{path}: labels go up to {high:,} with only {len(ys['y_train']):,} training images; "
+                            "labels must be class numbers 0..K-1 (or name the classes in a 'classes' array)")
+        classes = [str(i) for i in range(high + 1)]
+    if len(classes) < 2:
+        raise DataError(f"{path}: only one class; a classifier needs at least two")
     return ArrayDataset(path.stem, classes, train_x, ys["y_train"], test_x, ys["y_test"], source=str(path))

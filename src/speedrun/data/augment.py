@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .augment_extra import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, random_resized_crop,
+                            sample_jitter, sample_lighting, sample_rrc_boxes)
+
 
 def reflect_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
     """Pad the two spatial dims by mirroring (without repeating the edge pixel)."""
@@ -54,8 +57,10 @@ class BatchAugment:
     augmentations: crop (translate or random-resized), flip, cutout, colour jitter, lighting.
 
     For ``crop = "translate"`` the images handed to :meth:`__call__` are already
-    reflect-padded by ``translate`` pixels, so a random crop is a random translation.
-    ``mean``/``std`` are the per-channel normalisation statistics in 0..255 units.
+    reflect-padded by ``translate`` pixels, so a random crop is a random translation; the
+    crop keeps the unpadded size of the images given, so batches of any size (progressive
+    resizing) are translated. ``mean``/``std`` are the per-channel (C,) normalisation
+    statistics in 0..255 units.
     """
 
     def __init__(self, cfg, n: int, image_size: tuple[int, int], generator: torch.Generator,
@@ -66,8 +71,8 @@ class BatchAugment:
         # the streamed pipeline cuts random-resized crops in its workers, not here
         self.resized_crop = cfg.crop == "random_resized" and resized_crop
         self.gen, self.device = generator, device
-        self.mean = None if mean is None else mean.to(device) / 255
-        self.std = None if std is None else std.to(device) / 255
+        self.mean = None if mean is None else mean.reshape(-1).to(device) / 255
+        self.std = None if std is None else std.reshape(-1).to(device) / 255
         self.first_flip = self._bits() if cfg.flip == "alternating" else None
 
     def _bits(self) -> torch.Tensor:
@@ -78,7 +83,6 @@ class BatchAugment:
 
     def draw(self, epoch: int) -> dict[str, torch.Tensor]:
         """Per-image random numbers for one epoch, indexed by image id."""
-        from .augment_extra import sample_jitter, sample_lighting, sample_rrc_boxes
         cfg, r = self.cfg, {}
         if self.translate:
             r["top"], r["left"] = self._ints(2 * self.translate + 1), self._ints(2 * self.translate + 1)
@@ -89,10 +93,9 @@ class BatchAugment:
         elif cfg.flip == "alternating":
             r["flip"] = alternating_flip_mask(self.first_flip, epoch)
         if cfg.cutout:
-            h, w = self.size
-            half = cfg.cutout // 2
-            r["cut_top"] = self._ints(h) - half
-            r["cut_left"] = self._ints(w) - half
+            # centres as fractions of the image, so they fit images of any size
+            r["cut_y"] = torch.rand(self.n, generator=self.gen, device=self.device)
+            r["cut_x"] = torch.rand(self.n, generator=self.gen, device=self.device)
         if cfg.color_jitter:
             r["jitter"] = sample_jitter(self.n, cfg.color_jitter, self.gen, self.device).T   # (N, 3)
         if cfg.lighting:
@@ -100,9 +103,9 @@ class BatchAugment:
         return r
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor]) -> torch.Tensor:
-        from .augment_extra import IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, random_resized_crop
         if "top" in r:
-            x = crop(x, r["top"][idx], r["left"][idx], self.size)
+            t = self.translate
+            x = crop(x, r["top"][idx], r["left"][idx], (x.shape[2] - 2 * t, x.shape[3] - 2 * t))
         if "boxes" in r:
             x = random_resized_crop(x, r["boxes"][idx], self.size)
         if "flip" in r:
@@ -112,6 +115,10 @@ class BatchAugment:
             x = color_jitter(x, b, c, s, self.mean, self.std)
         if "lighting" in r:
             x = lighting(x, r["lighting"][idx], IMAGENET_EIGVAL, IMAGENET_EIGVEC, self.std)
-        if "cut_top" in r:
-            x = cutout(x, r["cut_top"][idx], r["cut_left"][idx], self.cfg.cutout)
+        if "cut_y" in r:
+            h, w = x.shape[2:]
+            half = self.cfg.cutout // 2
+            top = (r["cut_y"][idx] * h).long() - half
+            left = (r["cut_x"][idx] * w).long() - half
+            x = cutout(x, top, left, self.cfg.cutout)
         return x

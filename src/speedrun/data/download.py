@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tarfile
 import urllib.error
 import urllib.request
@@ -15,9 +14,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-
-class DataError(RuntimeError):
-    """Missing, corrupt or unusable data; the message names the file and what to do."""
+from ..errors import DataError
 
 
 def md5sum(path: Path, chunk: int = 1 << 22) -> str:
@@ -80,9 +77,3 @@ def safe_extract(archive: Path, target: Path) -> list[Path]:
                         "Delete it and download it again.") from None
     return [target / m.name for m in members if m.isfile()]
 
-
-def replace_dir(src: Path, dest: Path) -> None:
-    """Move the completed folder ``src`` to ``dest``, replacing an older copy."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(src, dest)

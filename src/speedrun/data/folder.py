@@ -8,13 +8,14 @@ the order the file system lists it in.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .download import DataError
+from ..errors import DataError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff"}
 JPEG_EXTENSIONS = {".jpg", ".jpeg"}
@@ -44,28 +45,41 @@ class ImageList:
 
 
 def scan(folder: Path, classes: list[str] | None = None) -> ImageList:
-    """Every image under ``folder/<class>/`` (recursively), labelled by class folder."""
+    """Every image under ``folder/<class>/`` (recursively), labelled by class folder. Without
+    ``classes`` (a training folder) the class folders define the classes: at least two, none
+    empty."""
     if not folder.is_dir():
         raise DataError(f"{folder}: no such folder. A folder dataset needs DIR/<class>/<images> or "
                         "DIR/train/<class>/... and DIR/val/<class>/...")
     found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-    classes = classes if classes is not None else found
+    defining = classes is None
+    classes = found if defining else classes
     if not classes:
         raise DataError(f"{folder}: holds no class sub-folders; put each class's images in DIR/<class>/")
     unknown = sorted(set(found) - set(classes))
     if unknown:
         raise DataError(f"{folder}: classes {unknown[:5]} are not among the training classes")
-    files, labels = [], []
+    files, labels, empty = [], [], []
     for label, name in enumerate(classes):
         sub = folder / name
         if not sub.is_dir():
             continue
+        before = len(files)
         for p in sorted(sub.rglob("*")):
             if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file():
                 files.append(str(p.relative_to(folder)))
                 labels.append(label)
+        if len(files) == before:
+            empty.append(name)
     if not files:
         raise DataError(f"{folder}: no images found (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if defining and empty:
+        raise DataError(f"{folder}: class folder(s) {', '.join(repr(e) for e in empty[:5])} hold no images "
+                        f"(extensions: {', '.join(sorted(IMAGE_EXTENSIONS))}); an empty class would be learnt "
+                        "as a class with no examples. Add images or remove the folder")
+    if defining and len(classes) < 2:
+        raise DataError(f"{folder}: has only one class folder ({classes[0]!r}); a classifier needs at least "
+                        "two classes, each in its own sub-folder")
     return ImageList(folder, list(classes), files, np.asarray(labels, dtype=np.int64))
 
 
@@ -143,6 +157,41 @@ def _is_jpeg(data: bytes, path: Path, decoder: str) -> bool:
             and path.suffix.lower() in JPEG_EXTENSIONS and simplejpeg.is_jpeg(data))
 
 
+MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+"""Images with more pixels than this are refused (Pillow's decompression-bomb limit): a
+small file that decodes to gigabytes is an attack or a mistake, never a training image."""
+
+
+def _too_large(path: Path, h: int | None = None, w: int | None = None) -> DataError:
+    size = f"{w}x{h} pixels" if h else "too many pixels"
+    return DataError(f"{path}: {size}, over the limit of {MAX_PIXELS:,} (a decompression bomb, or far "
+                     "larger than any training image); remove or shrink it, or skip unreadable images "
+                     "(train: --set data.skip_corrupt=true; data prepare: --skip-corrupt)")
+
+
+def _open(fp) -> Image.Image:
+    """Image.open without Pillow's decompression-bomb warning (sizes are checked here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return Image.open(fp)
+
+
+def _pixels(im: Image.Image, channels: int, path: Path) -> np.ndarray:
+    """The image as uint8 (H, W) or (H, W, 3): 16-bit images are scaled (not clipped) to
+    8 bits; float images are refused."""
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        a = np.asarray(im)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise DataError(f"{path}: 32-bit integer pixels outside 0..65535; speedrun reads 8- and 16-bit "
+                            "images. Convert it to 8-bit (or skip it with data.skip_corrupt)")
+        grey = ((a.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+        return np.repeat(grey[:, :, None], 3, axis=2) if channels == 3 else grey
+    if im.mode == "F":
+        raise DataError(f"{path}: floating-point pixels (mode F) have no standard scale; speedrun reads 8- "
+                        "and 16-bit images. Convert it to 8-bit (or skip it with data.skip_corrupt)")
+    return np.asarray(im.convert("RGB" if channels == 3 else "L"))
+
+
 def decode(data: bytes, path: Path, channels: int, min_hw=None, decoder: str = "auto") -> np.ndarray:
     """Decode image bytes to a uint8 array (H, W, channels).
 
@@ -152,16 +201,23 @@ def decode(data: bytes, path: Path, channels: int, min_hw=None, decoder: str = "
     resizing it afterwards. The file is parsed once."""
     try:
         if _is_jpeg(data, path, decoder):
-            need = min_hw(tuple(simplejpeg.decode_jpeg_header(data)[:2])) if min_hw else (0, 0)
+            h, w = simplejpeg.decode_jpeg_header(data)[:2]
+            if h * w > MAX_PIXELS:
+                raise _too_large(path, h, w)
+            need = min_hw((h, w)) if min_hw else (0, 0)
             img = simplejpeg.decode_jpeg(data, colorspace="RGB" if channels == 3 else "GRAY", fastdct=True,
                                          fastupsample=True, min_height=need[0], min_width=need[1])
         else:
-            with Image.open(io.BytesIO(data)) as im:
+            with _open(io.BytesIO(data)) as im:
+                if im.size[0] * im.size[1] > MAX_PIXELS:
+                    raise _too_large(path, im.size[1], im.size[0])
                 if min_hw and im.format == "JPEG":
                     rows, cols = min_hw((im.size[1], im.size[0]))
                     im.draft("RGB" if channels == 3 else "L", (cols, rows))
-                img = np.asarray(im.convert("RGB" if channels == 3 else "L"))
-    except (OSError, ValueError, UnidentifiedImageError, SyntaxError) as err:
+                img = _pixels(im, channels, path)
+    except Image.DecompressionBombError:
+        raise _too_large(path) from None
+    except (OSError, ValueError, UnidentifiedImageError, SyntaxError, EOFError) as err:
         raise corrupt_error(path, err) from None
     return img if img.ndim == 3 else img[:, :, None]
 
@@ -173,13 +229,13 @@ def probe(images: ImageList, n: int = 64, seed: int = 0) -> dict:
     sizes, modes = [], set()
     for i in idx:
         try:
-            with Image.open(images.path(int(i))) as im:
+            with _open(images.path(int(i))) as im:
                 sizes.append(im.size)
                 modes.add(im.mode)
-        except (OSError, UnidentifiedImageError, SyntaxError):
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError):
             continue
     if not sizes:
         raise DataError(f"{images.root}: none of {len(idx)} sampled images could be read")
     shorter = sorted(min(s) for s in sizes)
-    grey = modes <= {"L", "1", "I;16", "I"}
+    grey = modes <= {"L", "LA", "1", "I;16", "I;16B", "I;16L", "I;16N", "I"}
     return {"median_shorter_side": shorter[len(shorter) // 2], "channels": 1 if grey else 3}

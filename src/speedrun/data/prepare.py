@@ -20,7 +20,8 @@ import numpy as np
 from PIL import Image
 from rich.progress import Progress
 
-from .download import DataError
+from ..errors import DataError, RunFolderError
+from ..files import check_output_file, check_output_folder, disk_error, make_folder
 from .folder import ImageList, folder_splits, probe
 from .sources import load_dataset
 from .stream import ImageItems, Unreadable, default_workers
@@ -88,15 +89,19 @@ def _write_member(zf: zipfile.ZipFile, name: str, arr: np.ndarray, rows: np.ndar
 def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0.0, seed: int = 0,
             workers: int = -1, skip_corrupt: bool = False) -> dict:
     out = Path(out)
-    if out.exists():
-        raise DataError(f"{out} already exists; choose another --out or remove it")
+    check_output_file(out)
     if size < 8:
         raise DataError(f"--size {size}: too small; give the side of the square images in pixels (>= 8)")
     train, val = folder_splits(src, val_fraction, seed)
     channels = probe(train)["channels"]
     workers = default_workers(workers)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    # the decoded arrays, written twice (a scratch copy and the .npz)
+    check_output_file(out, need_bytes=2 * (len(train) + len(val)) * channels * size * size + (1 << 20))
+    created = _make_parent(out)
+    try:
+        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    except OSError as err:
+        raise disk_error(out, err) from None
     try:
         x_train, keep_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch, "train")
         x_val, keep_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val")
@@ -109,11 +114,33 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
             _write_member(zf, "classes", np.asarray(train.classes))
         del x_train, x_val
         os.replace(tmp, out)
+    except OSError as err:
+        raise disk_error(out, err) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if created and not out.exists():
+            _remove_empty(out.parent, created)
     return {"out": str(out), "train": int(keep_train.sum()), "test": int(keep_val.sum()),
             "skipped": int((~keep_train).sum() + (~keep_val).sum()), "classes": len(train.classes),
             "size": size, "channels": channels}
+
+
+def _make_parent(out: Path) -> list[Path]:
+    """Make ``out``'s parent folders; returns those it made (to remove them after a failure)."""
+    made, p = [], out.parent
+    while not p.exists():
+        made.append(p)
+        p = p.parent
+    make_folder(out.parent)
+    return made
+
+
+def _remove_empty(parent: Path, made: list[Path]) -> None:
+    for p in made:                                  # deepest first
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 # ------------------------------------------------------------------------------------------
@@ -136,20 +163,32 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
     (``limit``: only the first that many images of each split)."""
     if fmt not in ("png", "jpeg"):
         raise DataError(f"--format {fmt!r}: use png or jpeg")
+    if limit is not None and limit < 1:
+        raise DataError(f"--limit {limit}: give the number of images per split to write (at least 1)")
+    if not 1 <= quality <= 100:
+        raise DataError(f"--quality {quality}: JPEG quality goes from 1 to 100")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise DataError(f"{out} exists and is not empty; choose another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RunFolderError(f"--out {out} exists and is not an empty folder; choose another --out")
+    check_output_folder(out)
     ds = load_dataset(name, data_dir)
     ext = "png" if fmt == "png" else "jpg"
-    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=f".{out.name}-"))
-    jobs = []
-    for split, x, y in (("train", ds.train_x, ds.train_y), ("val", ds.test_x, ds.test_y)):
-        for c in ds.classes:
-            (staging / split / _safe(c)).mkdir(parents=True, exist_ok=True)
-        xs, ys = x.numpy(), y.numpy()
-        jobs += [(staging / split / _safe(ds.classes[ys[i]]) / f"{i:05d}.{ext}", xs[i], fmt, quality)
-                 for i in range(min(len(ys), limit or len(ys)))]
+    n_images = min(len(ds.train_y), limit or len(ds.train_y)) + min(len(ds.test_y), limit or len(ds.test_y))
+    check_output_folder(out, need_bytes=n_images * ds.train_x[0].numel() * 2 + (1 << 20))
+    created = _make_parent(out)
     try:
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    except OSError as err:
+        raise disk_error(out, err) from None
+    try:
+        jobs = []
+        for split, x, y in (("train", ds.train_x, ds.train_y), ("val", ds.test_x, ds.test_y)):
+            xs, ys = x.numpy(), y.numpy()
+            n = min(len(ys), limit or len(ys))
+            for c in sorted(set(ys[:n].tolist())):      # only classes with images: no empty class folders
+                (staging / split / _safe(ds.classes[c])).mkdir(parents=True, exist_ok=True)
+            jobs += [(staging / split / _safe(ds.classes[ys[i]]) / f"{i:05d}.{ext}", xs[i], fmt, quality)
+                     for i in range(n)]
         with Progress(transient=True) as bar:
             task = bar.add_task(f"writing {name} as {fmt}", total=len(jobs))
             with mp.get_context("fork").Pool(default_workers(workers) or 1) as pool:
@@ -158,8 +197,12 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
+    except OSError as err:
+        raise disk_error(out, err) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if created and not out.exists():
+            _remove_empty(out.parent, created)
     n = lambda total: min(total, limit or total)
     return {"out": str(out), "train": n(len(ds.train_y)), "val": n(len(ds.test_y)), "classes": ds.classes,
             "format": fmt}

@@ -1,7 +1,8 @@
-"""Device-resident data for small datasets: the whole set is moved to the device once as
-uint8, and everything that is the same every epoch (normalisation, reflect padding for the
-random crop, dtype) is done once there. Each epoch is then a permutation plus batched
-augmentation on the device, with no worker processes and no per-image Python.
+"""Device-resident data for small datasets: the whole set is moved to the device once and
+stays there as uint8 (a quarter of the bytes of float32), in the runtime's memory layout.
+Each epoch is a permutation plus batched work on the device: gather a batch, normalise it in
+the compute dtype, reflect-pad it for the random crop and augment it. No worker processes,
+no per-image Python, and no float copy of the whole set is ever made.
 """
 from __future__ import annotations
 
@@ -13,30 +14,43 @@ import torch.nn.functional as F
 from .augment import BatchAugment, reflect_pad
 from .sources import ArrayDataset
 
+STATS_CHUNK = 4096
+"""Images per chunk when summing channel statistics (bounds the float temporaries)."""
+
 
 def channel_stats(images_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and std of uint8 images, on the images' device, in [0, 255] units."""
-    x = images_u8.float()
-    return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
+    """Per-channel mean and std (N-1 normalised) of uint8 images, on the images' device, in
+    [0, 255] units; summed in float64 chunk by chunk, so no float copy of the set is made."""
+    c = images_u8.shape[1]
+    total = torch.zeros(c, dtype=torch.float64, device=images_u8.device)
+    squares = torch.zeros(c, dtype=torch.float64, device=images_u8.device)
+    for chunk in images_u8.split(STATS_CHUNK):
+        x = chunk.double()
+        total += x.sum(dim=(0, 2, 3))
+        squares += x.square().sum(dim=(0, 2, 3))
+    count = images_u8.numel() // c
+    mean = total / count
+    var = (squares - count * mean.square()) / max(count - 1, 1)
+    return mean.float(), var.clamp_min(0).sqrt().float()
 
 
 class ResidentData:
-    """Normalised train/test tensors on ``device``; train batches are augmented per epoch."""
+    """Train and test images on ``device`` as uint8; batches come out normalised in ``dtype``."""
+
+    crops_in_workers = False              # random-resized crops are cut here, on the device
 
     def __init__(self, ds: ArrayDataset, device: torch.device, dtype: torch.dtype,
                  memory_format: torch.memory_format, translate: int = 0):
-        train_u8 = ds.train_x.to(device, non_blocking=True)
-        self.mean, self.std = channel_stats(train_u8)
-        norm = lambda u8: ((u8.float() - self.mean[:, None, None]) / self.std[:, None, None])
-        self.translate = translate
-        self.train = reflect_pad(norm(train_u8), translate).to(dtype)
-        del train_u8
-        self.test = norm(ds.test_x.to(device)).to(dtype).contiguous(memory_format=memory_format)
+        self.train = ds.train_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+        self.test = ds.test_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+        self.mean, self.std = channel_stats(self.train)
+        self._scale = (1 / self.std)[:, None, None]
+        self._shift = (-self.mean / self.std)[:, None, None]
         self.train_y = ds.train_y.to(device)
         self.test_y = ds.test_y.to(device)
+        self.translate = translate
         self.image_size = ds.image_size
-        self.memory_format = memory_format
-        self.device = device
+        self.dtype, self.memory_format, self.device = dtype, memory_format, device
         self.skipped = 0
 
     @property
@@ -47,13 +61,13 @@ class ResidentData:
     def n_test(self) -> int:
         return self.test.shape[0]
 
+    def normalise(self, x_u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(x - mean) / std of a uint8 batch, computed in fp32 and stored in ``dtype``."""
+        return torch.addcmul(self._shift, x_u8.float(), self._scale).to(dtype or self.dtype)
+
     def whitening_sample(self, n: int) -> torch.Tensor:
-        """The first ``n`` training images, normalised and without padding (float32)."""
-        p = self.translate
-        x = self.train[:n]
-        if p:
-            x = x[:, :, p:-p, p:-p]
-        return x.float()
+        """The first ``n`` training images, normalised (float32)."""
+        return self.normalise(self.train[:n], torch.float32)
 
     def epoch(self, epoch: int, batch_size: int, augment: BatchAugment, generator: torch.Generator,
               size: int | None = None, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,11 +77,13 @@ class ResidentData:
         draws = augment.draw(epoch)
         for i in range(skip, self.n_train // batch_size):
             idx = perm[i * batch_size:(i + 1) * batch_size]
-            x = augment(self.train[idx], idx, draws)
+            x = reflect_pad(self.normalise(self.train[idx]), self.translate)
+            x = augment(x, idx, draws)
             if size is not None and size != x.shape[-1]:
                 x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
             yield x.contiguous(memory_format=self.memory_format), self.train_y[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, self.n_test, batch_size):
-            yield self.test[i:i + batch_size], self.test_y[i:i + batch_size]
+            x = self.normalise(self.test[i:i + batch_size])
+            yield x.contiguous(memory_format=self.memory_format), self.test_y[i:i + batch_size]

@@ -1,7 +1,11 @@
-"""Opening the recipe's dataset, whatever it is, and choosing its pipeline.
+"""Opening the recipe's dataset, whatever it is, and the pipeline that feeds it to the engine.
 
 Built-in sets and ``.npz`` arrays are loaded whole (uint8) and trained through the
-device-resident path; image folders are streamed from disk by worker processes. Settings
+device-resident path; image folders are streamed from disk by worker processes (decode a
+folder once with ``speedrun data prepare`` to train it resident). Both pipelines offer the
+engine the same methods (``epoch``, ``test_batches``, ``whitening_sample``, ``n_train``,
+``image_size``, ``mean``/``std``, ``skipped``, ``crops_in_workers``), so it never asks
+which one it holds. Settings
 the recipe leaves to the data (``data.image_size = 0``, ``data.eval_crop = 0``) are chosen
 here from a sample of the images, and written back into the recipe so the run's
 ``config.toml`` records the values actually used.
@@ -15,15 +19,17 @@ import torch
 
 from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from .arrays import load_npz
-from .download import DataError
+from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
 from .sources import SPECS, ArrayDataset, load_dataset
-from .stream import sample_stats
+from .resident import ResidentData
+from .stream import StreamedData, sample_stats
 
 
 @dataclass
 class FolderSource:
     """An image folder, split and measured, ready to stream."""
+    crops_in_workers = True               # a class attribute: its pipeline crops while decoding
     train: ImageList
     val: ImageList
     channels: int
@@ -103,20 +109,22 @@ def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | F
                                   source=recipe.name)
         d = recipe.data
     if d.dataset == "folder":
-        if d.pipeline == "resident":
-            raise RecipeError("data.pipeline='resident' needs the images decoded first: run "
-                              f"`speedrun data prepare {d.path} --size S --out FILE.npz` and train with "
-                              "--set data.dataset=npz --set data.path=FILE.npz")
         train, val = folder_splits(d.path, d.val_fraction, d.split_seed)
         info = probe(train)
         recipe = resolve_from_data(recipe, info["median_shorter_side"])
         mean, std = sample_stats(train, info["channels"], recipe.data.image_size, d.decoder)
         return recipe, FolderSource(train, val, info["channels"], recipe.data.image_size, mean, std, str(d.path))
-    if d.pipeline == "streamed":
-        raise RecipeError(f"data.pipeline='streamed' is for image folders; dataset '{d.dataset}' is held in "
-                          "memory and trained through the resident path")
     if d.dataset == "npz":
         return recipe, load_npz(d.path)
     if d.dataset in SPECS:
         return recipe, load_dataset(d.dataset, data_dir)
     raise DataError(f"unknown dataset {d.dataset!r}")
+
+
+def open_pipeline(source, recipe: Recipe, runtime, seed: int):
+    """The pipeline that feeds ``source`` to the engine for one run (first touch of the data)."""
+    if isinstance(source, FolderSource):
+        return StreamedData(source.train, source.val, source.channels, source.size, recipe.data, recipe.augment,
+                            runtime, seed, source.mean, source.std, recipe.data.batch_size, recipe.eval.batch_size)
+    translate = recipe.augment.translate if recipe.augment.crop == "translate" else 0
+    return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate)

@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .download import DataError, download, md5sum, replace_dir, safe_extract
+from ..errors import DataError
+from .download import download, md5sum, safe_extract
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class FileSpec:
     name: str
     md5: str            # of the file as read (for .gz files: of the decompressed content)
     size: int | None    # bytes on disk (None where recompressed copies are accepted)
+    content_size: int | None = None    # .gz files: bytes once decompressed (reading stops beyond it)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class DatasetSpec:
 @dataclass
 class ArrayDataset:
     """A whole dataset in memory as uint8 images (N, C, H, W) and int64 labels."""
+    crops_in_workers = False              # a class attribute: trained resident, cropped on the device
     name: str
     classes: list[str]
     train_x: torch.Tensor
@@ -99,10 +103,10 @@ CIFAR100 = DatasetSpec(
 FASHION_MNIST = DatasetSpec(
     name="fashion-mnist", folder="fashion-mnist",
     files=(
-        FileSpec("train-images-idx3-ubyte.gz", "f4a8712d7a061bf5bd6d2ca38dc4d50a", None),
-        FileSpec("train-labels-idx1-ubyte.gz", "9018921c3c673c538a1fc5bad174d6f9", None),
-        FileSpec("t10k-images-idx3-ubyte.gz", "8181f5470baa50b63fa0f6fddb340f0a", None),
-        FileSpec("t10k-labels-idx1-ubyte.gz", "15d484375f8d13e6eb1aabb0c3f46965", None),
+        FileSpec("train-images-idx3-ubyte.gz", "f4a8712d7a061bf5bd6d2ca38dc4d50a", None, 47_040_016),
+        FileSpec("train-labels-idx1-ubyte.gz", "9018921c3c673c538a1fc5bad174d6f9", None, 60_008),
+        FileSpec("t10k-images-idx3-ubyte.gz", "8181f5470baa50b63fa0f6fddb340f0a", None, 7_840_016),
+        FileSpec("t10k-labels-idx1-ubyte.gz", "15d484375f8d13e6eb1aabb0c3f46965", None, 10_008),
     ),
     url="http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/", archive=None,
     shape=(1, 28, 28), counts=(60_000, 10_000), num_classes=10,
@@ -193,7 +197,7 @@ def _fetch(spec: DatasetSpec, root: Path) -> Path:
         for f in spec.files:
             download(_mirror(spec) + f.name, staging / f.name)
         verify_files(spec, staging)   # nothing lands under the real name unless it is right
-        replace_dir(staging, root / spec.folder)
+        move_into(staging, root / spec.folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root / spec.folder
@@ -209,10 +213,22 @@ def _unpack(spec: DatasetSpec, archive: Path, root: Path) -> Path:
             raise DataError(f"{archive}: has no folder {spec.folder}/ inside; "
                             f"it is not the official {spec.archive}")
         verify_files(spec, extracted)
-        replace_dir(extracted, root / spec.folder)
+        move_into(extracted, root / spec.folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return root / spec.folder
+
+
+def move_into(src: Path, dest: Path) -> None:
+    """Move the verified folder ``src`` to ``dest``. Where ``dest`` already exists (it holds
+    none of the dataset's files, or it would have been used), its files are the user's: the
+    new files are moved in beside them and nothing there is replaced or deleted."""
+    if not dest.exists():
+        os.replace(src, dest)
+        return
+    for item in src.iterdir():
+        if not (dest / item.name).exists():
+            os.replace(item, dest / item.name)
 
 
 # ------------------------------------------------------------------------------------------
@@ -230,10 +246,7 @@ def _read_checked(folder: Path, f: FileSpec) -> bytes | None:
         kind = "truncated" if size < f.size else "too large"
         raise DataError(f"{path}: {kind}: {size} bytes, expected {f.size}. {fix}")
     if f.name.endswith(".gz"):
-        try:
-            content = gzip.decompress(path.read_bytes())
-        except (OSError, EOFError) as err:
-            raise DataError(f"{path}: not a complete gzip file ({err}); truncated or corrupt. {fix}")
+        content = gunzip_bounded(path, f.content_size, fix)
         got = hashlib.md5(content).hexdigest()
     else:
         content, got = None, md5sum(path)
@@ -241,6 +254,24 @@ def _read_checked(folder: Path, f: FileSpec) -> bytes | None:
         raise DataError(f"{path}: checksum mismatch (md5 {got}, expected {f.md5}); "
                         f"the file is corrupt or not the official one. {fix}")
     return content
+
+
+def gunzip_bounded(path: Path, expected: int | None, fix: str) -> bytes:
+    """The decompressed content of ``path``, read in blocks and abandoned as soon as it
+    exceeds ``expected`` bytes, so a file that expands without bound never fills memory."""
+    limit = expected if expected is not None else 1 << 31
+    blocks, total = [], 0
+    try:
+        with gzip.open(path, "rb") as g:
+            while block := g.read(1 << 20):
+                total += len(block)
+                if total > limit:
+                    raise DataError(f"{path}: decompresses to more than the {limit:,} bytes of the official file; "
+                                    f"it is not the dataset's file. {fix}")
+                blocks.append(block)
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"{path}: not a complete gzip file ({err}); truncated or corrupt. {fix}") from None
+    return b"".join(blocks)
 
 
 def verify_files(spec: DatasetSpec, folder: Path) -> dict[str, bytes | None]:

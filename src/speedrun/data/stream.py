@@ -22,7 +22,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .download import DataError
+from ..errors import DataError
+from .augment import reflect_pad
+from .augment_extra import RRC_TRIES, _centre_fallback
 from .folder import ImageList, decode, read_bytes
 
 
@@ -45,7 +47,6 @@ def rrc_box(h: int, w: int, scale, ratio, rng: random.Random) -> tuple[int, int,
     """One random-resized-crop box (top, left, height, width) drawn on the host, with the same
     rule as ``augment_extra.sample_rrc_boxes`` (which draws whole batches on the device);
     plain Python, since numpy's per-call overhead dominates for one box."""
-    from .augment_extra import RRC_TRIES, _centre_fallback
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(RRC_TRIES):
         area = rng.uniform(*scale) * h * w
@@ -171,14 +172,16 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
 class StreamedData:
     """Train and validation loaders for a folder dataset, yielding normalised device batches."""
 
+    crops_in_workers = True               # random-resized crops are cut while decoding
+
     def __init__(self, train: ImageList, val: ImageList, channels: int, size: int, cfg, augment_cfg,
                  runtime, seed: int, mean: torch.Tensor, std: torch.Tensor, batch_size: int, eval_batch: int):
         self.device, self.dtype, self.memory_format = runtime.device, runtime.dtype, runtime.memory_format
         self.image_size = (size, size)
         self.n_train, self.n_test = len(train), len(val)
         self.translate = augment_cfg.translate if augment_cfg.crop == "translate" else 0
-        self.mean = mean.to(self.device)[:, None, None]
-        self.std = std.to(self.device)[:, None, None]
+        self.mean = mean.reshape(-1).to(self.device)          # (C,), 0..255 units
+        self.std = std.reshape(-1).to(self.device)
         self.skipped = 0
         workers = default_workers(cfg.workers)
         common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
@@ -193,13 +196,12 @@ class StreamedData:
         self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **common)
         self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **common)
 
-    def _to_device(self, x_u8: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, x_u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x_u8.to(self.device, non_blocking=True).float()
-        return ((x - self.mean) / self.std).to(self.dtype)
+        return ((x - self.mean[:, None, None]) / self.std[:, None, None]).to(dtype or self.dtype)
 
     def epoch(self, epoch: int, batch_size: int, augment, generator, size: int | None = None,
               skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from .augment import reflect_pad
         if batch_size != self.train_sampler.batch_size:
             raise ValueError("the streamed loader was built for another batch size")
         self.train_sampler.set_epoch(epoch, size or self.image_size[0], skip)
@@ -235,5 +237,5 @@ class StreamedData:
             if isinstance(x, Unreadable):
                 raise DataError(str(x))
             if x is not None:
-                batches.append(self._to_device(x).float())
+                batches.append(self._to_device(x, torch.float32))
         return torch.cat(batches)

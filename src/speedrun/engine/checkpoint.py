@@ -14,11 +14,15 @@ from pathlib import Path
 
 import torch
 
-from ..data.download import DataError
-from ..report.record import atomic_torch_save
+from ..errors import CheckpointError
+from ..files import atomic_torch_save
 
-FORMAT = 1
+FORMAT = 2
 NAME = "checkpoint.pt"
+KEYS = {"recipe": dict, "recipe_hash": str, "seed": int, "step": int, "epoch": int, "batch_in_epoch": int,
+        "model": dict, "optimizer": dict, "scaler": dict, "epoch_gen_state": torch.Tensor, "host_rng": dict,
+        "cpu_rng": torch.Tensor, "losses": torch.Tensor, "correct": torch.Tensor, "history": list,
+        "elapsed": float, "paused": dict}
 
 
 def save(folder: Path, state: dict) -> Path:
@@ -32,12 +36,20 @@ def load(path: str | Path) -> dict:
     if path.is_dir():
         path = path / NAME
     if not path.is_file():
-        raise DataError(f"{path}: no checkpoint to resume from (runs write one when "
-                        "checkpoint.every_steps or checkpoint.every_epochs is set)")
+        raise CheckpointError(f"{path}: no checkpoint to resume from (runs write one when "
+                              "checkpoint.every_steps or checkpoint.every_epochs is set)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:                              # a truncated or foreign file
-        raise DataError(f"{path}: cannot read the checkpoint ({err})") from None
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({first}); it is damaged or not "
+                              "speedrun's") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a speedrun checkpoint (it holds a {type(state).__name__})")
     if state.get("format") != FORMAT:
-        raise DataError(f"{path}: checkpoint format {state.get('format')} is not {FORMAT}")
+        raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r}, this speedrun reads format "
+                              f"{FORMAT}; finish it with the speedrun version that wrote it, or start again")
+    wrong = [k for k, kind in KEYS.items() if not isinstance(state.get(k), kind)]
+    if wrong:
+        raise CheckpointError(f"{path}: incomplete checkpoint (missing or damaged: {', '.join(wrong)})")
     return state

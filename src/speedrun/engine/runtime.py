@@ -1,16 +1,27 @@
 """Every device-specific choice, made in one place and recorded in the run's summary:
-precision, torch.compile, memory layout, and the dtype the data is stored in."""
+precision, torch.compile and its mode, memory layout, cuDNN autotuning, and the dtype the
+data is stored in. Also the one compiled model a process keeps (see :func:`compiled_model`).
+"""
 from __future__ import annotations
 
 import contextlib
 import platform
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn as nn
 
-from ..recipe import RecipeError, RuntimeConfig
+from ..errors import RecipeError
+from ..recipe import RuntimeConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo may keep per function before it refuses to compile more. speedrun compiles
+each shape a run uses once (train sizes, eval sizes, TTA subsets), far below this; passing it
+is an error (``fail_on_recompile_limit_hit``) rather than dynamo's silent fall-back to eager,
+which would make timings incomparable."""
 
 
 def cpu_name() -> str:
@@ -35,6 +46,7 @@ class Runtime:
     precision: str
     compile: bool
     channels_last: bool
+    compile_mode: str = "default"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -43,6 +55,14 @@ class Runtime:
     @property
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.compile and self.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+
+    @property
+    def cudnn_benchmark(self) -> bool:
+        return self.device.type == "cuda"
 
     def autocast(self):
         if self.precision == "fp32":
@@ -53,10 +73,27 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def activate(self) -> None:
+        """Process-wide settings this runtime needs: cuDNN autotuning on CUDA (the convolution
+        shapes of a run never change, so the first-call search pays back), and dynamo's limits."""
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        if self.compile:
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+    def mark_step(self) -> None:
+        """Before each training step under CUDA graphs: the previous step's outputs may be
+        overwritten (cudagraph trees)."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def describe(self) -> dict:
         return {"device": self.device.type, "device_name": device_name(self.device),
                 "precision": self.precision, "compile": self.compile,
-                "channels_last": self.channels_last}
+                "compile_mode": self.compile_mode if self.compile else None,
+                "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark}
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -73,9 +110,9 @@ def pick_device(requested: str | None) -> torch.device:
 def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
-    CUDA: bf16 autocast (fp16 where bf16 is unsupported), compiled, channels_last.
-    CPU: fp32, eager, channels_last (measured 1.6x faster than NCHW for the speed net on a
-    2-core AVX-512 CPU)."""
+    CUDA: bf16 autocast (fp16 where bf16 is unsupported), compiled. CPU: fp32, eager.
+    channels_last is the recipe's choice (default on: measured 1.6x faster than NCHW for the
+    speed net on a 2-core AVX-512 CPU, and what tensor cores want)."""
     cuda = device.type == "cuda"
     precision = cfg.precision
     if precision == "auto":
@@ -83,5 +120,45 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
-    channels_last = True if cfg.channels_last == "auto" else cfg.channels_last == "on"
-    return Runtime(device, precision, compile_, channels_last)
+    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode)
+
+
+# ------------------------------------------------------------------------------------------
+# One compiled model per process
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Compiled:
+    key: tuple
+    model: nn.Module
+    forward: Callable
+
+
+_current: _Compiled | None = None
+
+
+def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime) -> tuple[nn.Module, Callable, bool]:
+    """(model, compiled forward, reused) for ``key``, a description of the model and runtime.
+
+    A process compiles a model once: sessions with the same key (bench runs, ablation
+    variants that leave the model alone, batch-finder retries) get the same module and
+    compiled graphs back, re-initialised by the caller. A different key resets dynamo first,
+    so graphs of earlier models never pile up towards dynamo's recompile limit."""
+    global _current
+    if _current is not None and _current.key == key:
+        return _current.model, _current.forward, True
+    import torch._dynamo
+    if _current is not None:
+        torch._dynamo.reset()
+    _current = None                                   # free the old model before building the new one
+    model = build()
+    mode = None if runtime.compile_mode == "default" else runtime.compile_mode
+    forward = torch.compile(model, dynamic=False, mode=mode)
+    _current = _Compiled(key, model, forward)
+    return model, forward, False
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (counted to detect recompiles)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

@@ -15,7 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data.augment_extra import mix_batch, mixed_loss
-from ..recipe import Recipe
+from ..errors import CheckpointError, RecipeError
+from ..models import build_model
+from ..recipe import Recipe, load_recipe
 from .runtime import Runtime
 
 
@@ -43,21 +45,42 @@ def backward_in_micro_batches(forward, x: torch.Tensor, targets: tuple, k: int, 
     return total, torch.cat(outputs)
 
 
-def load_teacher(path: str | Path, device: torch.device) -> nn.Module:
-    """A teacher model from a run's ``model.pt`` and the ``config.toml`` beside it."""
-    from ..data.download import DataError
-    from ..models import build_model
-    from ..recipe import load_recipe
+def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_classes: int) -> nn.Module:
+    """A teacher model from a run's ``model.pt`` and the ``config.toml`` beside it; any
+    problem is a :class:`CheckpointError` naming ``distill.teacher``."""
     path = Path(path).expanduser()
     config = path.parent / "config.toml"
-    if not path.is_file() or not config.is_file():
-        raise DataError(f"distill.teacher={path}: needs the teacher's model.pt with its run's config.toml beside it")
-    teacher_recipe = load_recipe(str(config))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    classes = next(v.shape[0] for v in reversed(state.values()) if v.ndim == 2)      # the linear head
-    in_channels = next(v.shape[1] for v in state.values() if v.ndim == 4)             # the first conv
-    model = build_model(teacher_recipe.model, in_channels, classes)
-    model.load_state_dict(state)
+    where = f"distill.teacher={path}"
+    if not path.is_file():
+        raise CheckpointError(f"{where}: no such file; give the model.pt of a finished run (its folder "
+                              "holds config.toml too)")
+    if not config.is_file():
+        raise CheckpointError(f"{where}: no config.toml beside it; the teacher must be a run folder's model.pt")
+    try:
+        teacher_recipe = load_recipe(str(config))
+    except RecipeError as err:
+        raise CheckpointError(f"{where}: its run's config.toml cannot be used ({err})") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:                          # truncated, not a torch file, or not weights only
+        raise CheckpointError(f"{where}: cannot read the weights ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{where}: holds no model weights (a state dict of tensors is expected)")
+    heads = [v for v in state.values() if v.ndim == 2]
+    convs = [v for v in state.values() if v.ndim == 4]
+    if not heads or not convs:
+        raise CheckpointError(f"{where}: these weights are not those of a speedrun image classifier")
+    classes, channels = heads[-1].shape[0], convs[0].shape[1]
+    if (classes, channels) != (num_classes, in_channels):
+        raise CheckpointError(f"{where}: the teacher classifies {classes} classes of {channels}-channel images; "
+                              f"this run's data has {num_classes} classes of {in_channels}-channel images")
+    model = build_model(teacher_recipe.model, in_channels, num_classes)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise CheckpointError(f"{where}: the weights do not fit the model of its config.toml "
+                              f"({str(err).splitlines()[0][:200]})") from None
     return model.to(device).eval().requires_grad_(False)
 
 

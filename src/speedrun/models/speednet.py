@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..recipe import SpeedNetConfig
 from .norm import BatchNorm
@@ -88,5 +89,9 @@ class SpeedNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.features(x)
-        x = torch.amax(x, dim=(2, 3))          # global max pool
+        # Global max pool by index: the backward routes each gradient to the stored argmax.
+        # torch.amax's backward instead compares the input with the stored maximum, and
+        # compiled in bf16 (inductor recomputes the activation in fp32) nothing matches, so
+        # its gradients are NaN from the first step.
+        x = F.adaptive_max_pool2d(x, 1).flatten(1)
         return self.head(x) * self.out_scale

@@ -1,9 +1,17 @@
-"""Terminal output: a progress bar while training and a short table at the end."""
+"""Terminal output: a progress bar while training (on a terminal) or plain log lines (in a
+log file or a cluster job's output), and a short table at the end."""
 from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from ..errors import UsageError
+
 
 def make_console(stderr: bool = False) -> Console:
     """A rich console; when output goes to a file or pipe, wide enough that tables do not wrap."""
@@ -14,8 +22,77 @@ def make_console(stderr: bool = False) -> Console:
 console = make_console(stderr=True)
 
 
-class TrainingProgress:
-    """Implements the loop's progress protocol with a rich progress bar (to stderr)."""
+@dataclass(frozen=True)
+class LogEvery:
+    """How often plain progress lines are printed: every ``steps`` steps or ``seconds`` seconds."""
+    steps: int = 0
+    seconds: float = 30.0
+
+    @classmethod
+    def parse(cls, text: str | None) -> "LogEvery":
+        """'100' (steps) or '30s' (seconds); None for the default."""
+        if text is None:
+            return cls()
+        t = str(text).strip().lower()
+        try:
+            if t.endswith("s"):
+                value = float(t[:-1])
+                if value > 0:
+                    return cls(0, value)
+            elif int(t) > 0:
+                return cls(int(t), 0.0)
+        except ValueError:
+            pass
+        raise UsageError(f"--log-every {text!r}: give a number of steps (e.g. 100) or of seconds (e.g. 30s), above 0")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class LogLines:
+    """The loop's progress protocol as plain lines on stdout: one every N steps or seconds
+    (step, epoch, loss, images/s, ETA) and one per epoch. Reading the loss back is the only
+    device sync, and happens only when a line is printed."""
+
+    def __init__(self, title: str, every: LogEvery, stream=None):
+        self.title, self.every, self.stream = title, every, stream or sys.stdout
+
+    def print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, total_steps: int, epochs: int, batch_size: int) -> None:
+        self.total, self.epochs, self.batch = total_steps, epochs, batch_size
+        self.done, self.epoch_now = 0, 1
+        self.t0 = self.last_t = time.monotonic()
+        self.last_done = 0
+        self.print(f"{self.title}: {total_steps} steps in {epochs} epochs, batch {batch_size}")
+
+    def step(self, loss) -> None:
+        self.done += 1
+        now = time.monotonic()
+        due = (self.every.steps and self.done % self.every.steps == 0) or \
+              (self.every.seconds and now - self.last_t >= self.every.seconds)
+        if not due or self.done == self.total:
+            return
+        rate = (self.done - self.last_done) * self.batch / max(now - self.last_t, 1e-9)
+        eta = (now - self.t0) / self.done * (self.total - self.done)
+        self.print(f"{self.title} step {self.done}/{self.total} epoch {self.epoch_now}/{self.epochs} "
+                   f"loss {float(loss):.4f} {rate:,.0f} img/s ETA {_duration(eta)}")
+        self.last_t, self.last_done = now, self.done
+
+    def epoch(self, rec) -> None:
+        test = f" test acc {rec.test_acc:.4f}" if rec.test_acc is not None else ""
+        self.print(f"{self.title} epoch {rec.epoch}/{self.epochs} done: loss {rec.train_loss:.4f} "
+                   f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s)")
+        self.epoch_now = min(rec.epoch + 1, self.epochs)
+
+
+class ProgressBar:
+    """The loop's progress protocol as a rich progress bar on stderr."""
 
     def __init__(self, title: str):
         self.title = title
@@ -23,20 +100,16 @@ class TrainingProgress:
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
         self.task = None
 
-    def __enter__(self):
-        self.bar.start()
-        return self
+    def print(self, text: str) -> None:
+        self.bar.console.print(text, markup=False, highlight=False)
 
-    def __exit__(self, *exc):
-        self.bar.stop()
-
-    def start(self, total_steps: int, epochs: int) -> None:
+    def start(self, total_steps: int, epochs: int, batch_size: int) -> None:
         self.epochs = epochs
         if self.task is not None:
             self.bar.remove_task(self.task)
         self.task = self.bar.add_task(f"{self.title} epoch 1/{epochs}", total=total_steps, info="")
 
-    def step(self) -> None:
+    def step(self, loss) -> None:
         self.bar.advance(self.task)
 
     def epoch(self, rec) -> None:
@@ -44,6 +117,24 @@ class TrainingProgress:
         nxt = min(rec.epoch + 1, self.epochs)
         self.bar.update(self.task, description=f"{self.title} epoch {nxt}/{self.epochs}",
                         info=f"loss {rec.train_loss:.3f} train {rec.train_acc:.4f}{test}")
+
+
+class TrainingProgress:
+    """A context manager giving the progress display that suits where output goes: the bar
+    when both stdout and stderr are terminals, plain log lines on stdout otherwise."""
+
+    def __init__(self, title: str, log_every: LogEvery | None = None):
+        interactive = sys.stdout.isatty() and console.is_terminal
+        self.display = ProgressBar(title) if interactive else LogLines(title, log_every or LogEvery())
+
+    def __enter__(self):
+        if isinstance(self.display, ProgressBar):
+            self.display.bar.start()
+        return self.display
+
+    def __exit__(self, *exc):
+        if isinstance(self.display, ProgressBar):
+            self.display.bar.stop()
 
 
 def print_table(title: str, rows: list[tuple[str, str]]) -> None:

@@ -10,12 +10,12 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data.download import DataError
+from ..errors import RecipeError, RecordError
+from ..files import atomic_write_bytes, atomic_write_text, check_output_folder, read_json_record, read_text
 from ..optim.params import step_lr
 from ..optim.schedule import lr_multipliers, momenta
 from ..recipe import recipe_from_dict
 from . import plots
-from .record import atomic_write_bytes, atomic_write_text
 
 
 @dataclass
@@ -57,9 +57,10 @@ def _environment_facts(env: dict) -> list[tuple[str, str]]:
 
 
 def run_report(folder: Path) -> Report:
-    s = json.loads((folder / "summary.json").read_text())
-    history = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    config = tomllib.loads((folder / "config.toml").read_text())
+    s = read_json_record(folder / "summary.json", "summary.json", "recipe", "a finished run writes one")
+    history = [json.loads(line) for line in read_text(folder / "metrics.jsonl", "metrics.jsonl").splitlines()
+               if line.strip()]
+    config = tomllib.loads(read_text(folder / "config.toml", "config.toml"))
     rep = Report(f"speedrun run: {s['recipe']}")
     rep.facts = [("test accuracy (" + s.get("tta", "TTA") + ")", _pct(s["test_acc"])),
                  ("test accuracy without TTA", _pct(s["test_acc_no_tta"])),
@@ -81,7 +82,8 @@ def run_report(folder: Path) -> Report:
 
 
 def bench_report(path: Path) -> Report:
-    b = json.loads(path.read_text())
+    from ..bench.compare import load_bench
+    b = load_bench(path)
     s = b["summary"]
     rep = Report(f"speedrun bench: {b['recipe']} ({s['runs']} runs)")
     rep.facts = [("mean test accuracy", _ci(s["test_acc"], 100, ".3f") + " %"),
@@ -118,7 +120,7 @@ def bench_report(path: Path) -> Report:
 
 
 def ablate_report(path: Path) -> Report:
-    a = json.loads(path.read_text())
+    a = read_json_record(path, "ablate.json", "variants", "make one with `speedrun ablate`")
     rep = Report(f"speedrun ablate: {a['recipe']} ({a['runs_per_variant']} runs per variant)")
     rep.facts = [("target", _pct(a["target"])), ("epochs grid", ", ".join(f"{g:g}" for g in a["epochs_grid"]))]
     rep.facts += _environment_facts(a["environment"])
@@ -149,14 +151,18 @@ def ablation_rows(a: dict) -> list[list[str]]:
 
 
 def build(target: Path) -> Report:
-    if (target / "summary.json").is_file():
-        return run_report(target)
-    if (target / "bench.json").is_file():
-        return bench_report(target / "bench.json")
-    if (target / "ablate.json").is_file():
-        return ablate_report(target / "ablate.json")
-    raise DataError(f"{target}: no summary.json, bench.json or ablate.json here; point `speedrun report` "
-                    "at a run folder or the folder of a bench or ablate record")
+    for name, builder in (("summary.json", lambda: run_report(target)),
+                          ("bench.json", lambda: bench_report(target / "bench.json")),
+                          ("ablate.json", lambda: ablate_report(target / "ablate.json"))):
+        if (target / name).is_file():
+            try:
+                return builder()
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecipeError) as err:
+                raise RecordError(f"{target}: its records are not complete speedrun records, so no report can be "
+                                  f"made ({type(err).__name__}: {str(err)[:200]}); was the folder edited or "
+                                  "written by another version?") from None
+    raise RecordError(f"{target}: no summary.json, bench.json or ablate.json here; point `speedrun report` "
+                      "at a run folder or the folder of a bench or ablate record")
 
 
 def to_html(rep: Report) -> str:
@@ -193,6 +199,7 @@ def to_markdown(rep: Report, files_dir: str) -> str:
 
 def write_report(target: Path) -> tuple[Path, Path]:
     rep = build(target)
+    check_output_folder(target, "report folder", need_bytes=sum(len(png) for *_, png in rep.figures) + (1 << 20))
     files = target / "report_files"
     for name, _, png in rep.figures:
         atomic_write_bytes(files / f"{name}.png", png)

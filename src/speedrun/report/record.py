@@ -1,78 +1,22 @@
 """A run's folder: config.toml, metrics.jsonl, summary.json and the final weights.
 
-Every file is written whole to a temporary name and renamed into place, so a crash never
-leaves a half-written record; an existing run in the folder is never overwritten.
+Every file is written whole to a temporary name and renamed into place (``files.py``), so a
+crash never leaves a half-written record. A folder that holds any of a run's files is never
+used for a new run, the folder is made only when the first file is written, and a run that
+fails before it has anything worth keeping removes what it wrote.
 """
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
-import torch
+from ..errors import RunFolderError
+from ..files import atomic_torch_save, atomic_write_json, atomic_write_text, check_output_folder, make_folder
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def _publish(tmp: str, path: Path) -> None:
-    """Give the finished temporary file normal permissions and move it into place."""
-    os.chmod(tmp, 0o666 & ~_UMASK)
-    os.replace(tmp, path)
-
-
-class RunFolderError(RuntimeError):
-    pass
-
-
-def read_json_record(path: Path, kind: str, key: str, missing_hint: str, error=RunFolderError) -> dict:
-    """Load a JSON record written by speedrun (``kind``: its file name, e.g. ``bench.json``),
-    raising ``error`` naming the file when it is absent, unreadable or lacks ``key``."""
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise error(f"{path}: no such {kind} ({missing_hint})") from None
-    except json.JSONDecodeError as err:
-        raise error(f"{path}: not a valid {kind} ({err})") from None
-    if not isinstance(record, dict) or not record.get(key):
-        raise error(f"{path}: holds no {key}; it is not a finished {kind} record")
-    return record
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
-def atomic_torch_save(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
+KEEP_FILES = ("summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
+"""Files worth keeping after a failure: a folder holding one of them is never removed."""
 
 
 def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
@@ -88,21 +32,34 @@ def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
 class RunRecord:
     """Writes one run's files into ``folder``."""
 
-    def __init__(self, folder: Path, resume_history: list[dict] | None = None):
-        """``resume_history``: continuing a checkpointed run in its own folder, with the
-        epochs it had completed."""
+    def __init__(self, folder: Path, resume_history: list[dict] | None = None, need_bytes: int = 1 << 20):
+        """``resume_history``: continuing a checkpointed run in its own folder, with the epochs
+        it had completed. Checks the folder (nothing is written yet)."""
         self.folder = Path(folder)
-        if resume_history is None and ((self.folder / "summary.json").exists()
-                                       or (self.folder / "metrics.jsonl").exists()):
-            raise RunFolderError(f"{self.folder} already holds a run; pass another --out folder "
-                                 "(or remove that one) so that no record is overwritten")
-        if resume_history is not None and (self.folder / "summary.json").exists():
+        self.resuming = resume_history is not None
+        if not self.resuming:
+            found = [n for n in RUN_FILES if (self.folder / n).exists()]
+            if found:
+                what = ("an interrupted run (continue it with `speedrun train --resume "
+                        f"{self.folder}`)" if "checkpoint.pt" in found and "summary.json" not in found else "a run")
+                raise RunFolderError(f"{self.folder} already holds {what} ({', '.join(found)}); pass another "
+                                     "--out folder so that nothing is overwritten")
+        elif (self.folder / "summary.json").exists():
             raise RunFolderError(f"{self.folder} holds a finished run; there is nothing to resume")
-        self.folder.mkdir(parents=True, exist_ok=True)
+        check_output_folder(self.folder, "--out" if not self.resuming else "--resume", need_bytes)
+        self.created = not self.folder.exists()
+        self.written: list[Path] = []
         self._metrics: list[str] = [json.dumps(h) for h in resume_history or []]
 
+    def _path(self, name: str) -> Path:
+        make_folder(self.folder)
+        path = self.folder / name
+        if path not in self.written:
+            self.written.append(path)
+        return path
+
     def write_config(self, toml_text: str) -> None:
-        atomic_write_text(self.folder / "config.toml", toml_text)
+        atomic_write_text(self._path("config.toml"), toml_text)
 
     def reset_metrics(self) -> None:
         """Forget the epochs of an attempt that was abandoned (the batch finder retrying)."""
@@ -111,12 +68,22 @@ class RunRecord:
 
     def append_metrics(self, row: dict) -> None:
         self._metrics.append(json.dumps(row))
-        atomic_write_text(self.folder / "metrics.jsonl", "\n".join(self._metrics) + "\n")
+        atomic_write_text(self._path("metrics.jsonl"), "\n".join(self._metrics) + "\n")
 
     def write_summary(self, summary: dict) -> None:
-        atomic_write_json(self.folder / "summary.json", summary)
+        atomic_write_json(self._path("summary.json"), summary)
 
     def save_weights(self, state_dict: dict, name: str = "model.pt") -> Path:
-        path = self.folder / name
+        path = self._path(name)
         atomic_torch_save(path, {k: v.detach().cpu() for k, v in state_dict.items()})
         return path
+
+    def discard(self) -> None:
+        """After a failure: remove what this run wrote unless something worth keeping is there
+        (weights, a checkpoint, a summary), and the folder too if this run made it and it is empty."""
+        if self.resuming or any((self.folder / n).exists() for n in KEEP_FILES):
+            return
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        if self.created and self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()

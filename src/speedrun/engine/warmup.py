@@ -1,0 +1,84 @@
+"""The warm-up: everything a run does once or once per shape, done before the clock starts
+on random data, so that compilation, cuDNN autotuning, lazy kernel loading and first-call
+allocations never land in a timed run.
+
+It covers the whitening fit (fp64 covariance and eigendecomposition on the device), the
+batched augmentations, progressive resizing, the training step at every image size the run
+uses (forward, loss, mixing, distillation, backward over micro-batches, loss scaling, the
+optimizer and the weight averaging), and evaluation at every batch size the test set is cut
+into, plain and with the recipe's test-time augmentation (the least-confident subsets
+included). The model's weights and statistics are put back afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..data.augment import BatchAugment, reflect_pad
+from ..optim import build_averager, build_optimizer, set_step_hyperparams
+from .evaluate import evaluate
+from .step import Objective
+
+TRAIN_CALLS = 3
+"""Training steps per image size (CUDA graphs record on the second or third call)."""
+
+
+def eval_batch_sizes(n_test: int, batch: int) -> list[int]:
+    """The batch sizes evaluation cuts a test set of ``n_test`` into (evaluating them also
+    runs the subsets that partial TTA re-evaluates)."""
+    return sorted({min(batch, n_test), n_test % batch} - {0})
+
+
+def warm_up(session) -> float:
+    """Run the warm-up for ``session``; returns its seconds (the run's ``compile_seconds``)."""
+    rt, r, src, model = session.runtime, session.recipe, session.source, session.model
+    t0 = time.perf_counter()
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    c, full, classes = src.in_channels, src.image_size[0], src.num_classes
+    gen = torch.Generator(device=rt.device)
+    gen.manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=rt.device)
+
+    whiten = getattr(model, "whiten", None)
+    if whiten is not None:
+        whiten.fit(randn(min(256, r.model.whiten.samples), c, full, full))
+
+    batch = r.data.batch_size
+    stats = torch.full((c,), 128.0, device=rt.device), torch.full((c,), 64.0, device=rt.device)
+    augment = BatchAugment(r.augment, batch, src.image_size, gen, rt.device, *stats,
+                           resized_crop=not src.crops_in_workers)
+    draws = augment.draw(0)
+    opt = build_optimizer(model, r.optim, batch)
+    averager = build_averager(model, r.averaging, 1)
+    objective = Objective(r, rt, session.forward, session.teacher)
+    host_rng = np.random.default_rng(0)
+    set_step_hyperparams(opt, 0.0)                     # kernels run, weights stay
+    model.train()
+    for size in session.image_sizes():
+        x = augment(reflect_pad(randn(batch, c, size, size).to(rt.dtype), augment.translate),
+                    torch.arange(batch, device=rt.device), draws)
+        if x.shape[-1] != size:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        x = x.contiguous(memory_format=rt.memory_format)
+        y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
+        for _ in range(TRAIN_CALLS):
+            rt.mark_step()
+            objective.step(opt, x, y, host_rng)
+            if averager is not None:
+                averager.update(r.averaging.every)
+    model.zero_grad(set_to_none=True)
+
+    n_test = len(src.test_y)
+    for n in eval_batch_sizes(n_test, r.eval.batch_size):
+        x = randn(n, c, full, full).to(rt.dtype).contiguous(memory_format=rt.memory_format)
+        y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
+        for _ in range(2):
+            evaluate(session.forward, [(x, y)], "none", rt)
+            evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction)
+    rt.synchronize()
+    model.load_state_dict(saved)
+    model.train()
+    return time.perf_counter() - t0
