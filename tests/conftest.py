@@ -1,7 +1,13 @@
+"""Shared fixtures: the real datasets, and small real data sets made from them once per test
+session (shared by pytest-xdist's workers through a file lock)."""
 import os
+import shutil
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,6 +19,15 @@ def shared_data() -> Path:
         raise RuntimeError(f"the shared datasets are not at {path}; set SPEEDRUN_DATA to the folder "
                            "holding cifar-10-batches-py/ and fashion-mnist/")
     return path
+
+
+def pytest_configure(config):
+    # under xdist two workers share the 2 cores: one thread each, and the same for the
+    # speedrun processes the tests start
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -40,19 +55,124 @@ def isolated_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+# ------------------------------------------------------------------------------------------
+# Small real data sets, built once per session
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> Path:
+    """A folder shared by every xdist worker of this session."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "artifacts"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def build_once(root: Path, name: str, build) -> Path:
+    """``root/name``, made by ``build(path)`` by whichever worker gets there first."""
+    path = root / name
+    with FileLock(str(root / f".{name}.lock")):
+        if not path.exists():
+            tmp = root / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            os.replace(tmp, path)
+    return path
+
+
+def subset_npz(ds, path: Path, n_train: int, n_test: int) -> None:
+    """The first images of a built-in set as an .npz dataset (with its class names)."""
+    np.savez(path, x_train=ds.train_x[:n_train].numpy(), y_train=ds.train_y[:n_train].numpy(),
+             x_test=ds.test_x[:n_test].numpy(), y_test=ds.test_y[:n_test].numpy(), classes=np.array(ds.classes))
+
+
+def _cli(*args):
+    from test_cli import speedrun
+    return speedrun(*args)
+
+
+@pytest.fixture(scope="session")
+def cifar_small(artifacts, cifar10) -> Path:
+    """CIFAR-10's first 1,024 training and 256 test images."""
+    def build(tmp):
+        tmp.mkdir()
+        subset_npz(cifar10, tmp / "cifar.npz", 1024, 256)
+    return build_once(artifacts, "cifar-small", build) / "cifar.npz"
+
+
+@pytest.fixture(scope="session")
+def fashion_small(artifacts, fashion) -> Path:
+    """Fashion-MNIST's first 1,024 training and 256 test images."""
+    def build(tmp):
+        tmp.mkdir()
+        subset_npz(fashion, tmp / "fashion.npz", 1024, 256)
+    return build_once(artifacts, "fashion-small", build) / "fashion.npz"
+
+
+@pytest.fixture(scope="session")
+def jpeg32(artifacts, data_dir) -> Path:
+    """CIFAR-10 as JPEG files at 32 px in the ImageNet layout: 512 train, 512 val images."""
+    return build_once(artifacts, "jpeg32", lambda tmp: _cli("data", "export", "cifar10", "--format", "jpeg",
+                                                           "--out", tmp, "--data-dir", data_dir, "--limit", 512))
+
+
+@pytest.fixture(scope="session")
+def tiny64(artifacts, data_dir) -> Path:
+    """CIFAR-10 upscaled to 64 px in Tiny-ImageNet's layout (val/images + val_annotations.txt):
+    256 train, 256 val images."""
+    return build_once(artifacts, "tiny64", lambda tmp: _cli(
+        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 256,
+        "--size", 64, "--layout", "tiny-imagenet"))
+
+
+@pytest.fixture(scope="session")
+def imagenet224(artifacts, data_dir) -> Path:
+    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: 96 train, 96 val images."""
+    return build_once(artifacts, "imagenet224", lambda tmp: _cli(
+        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 96,
+        "--size", 224))
+
+
+@pytest.fixture(scope="session")
+def npz32(artifacts, jpeg32) -> Path:
+    """The 32 px JPEG folder decoded once (`speedrun data prepare`), for the resident path."""
+    def build(tmp):
+        tmp.mkdir()
+        _cli("data", "prepare", jpeg32, "--size", 32, "--out", tmp / "c32.npz", "--workers", 1)
+    return build_once(artifacts, "npz32", build) / "c32.npz"
+
+
+@pytest.fixture(scope="session")
+def npz64(artifacts, tiny64) -> Path:
+    """The 64 px Tiny-ImageNet-layout folder decoded once, for the resident path."""
+    def build(tmp):
+        tmp.mkdir()
+        _cli("data", "prepare", tiny64, "--size", 64, "--out", tmp / "t64.npz", "--workers", 1)
+    return build_once(artifacts, "npz64", build) / "t64.npz"
+
+
 TINY_BENCH = ["--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024",
               "--set", "eval.tta=flip"]
 
 
 @pytest.fixture(scope="session")
-def bench_records(tmp_path_factory, data_dir):
+def bench_records(artifacts, data_dir):
     """Two small benches and an ablation, made once with the real commands and shared by the
-    bench and report tests: (root, bench A output, bench B output, ablate output)."""
-    from test_cli import speedrun
-    root = tmp_path_factory.mktemp("bench")
-    a = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a", *TINY_BENCH)
-    b = speedrun("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b", *TINY_BENCH,
-                 "--set", "eval.tta=none", "--seed", 10)
-    abl = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", root / "abl",
-                   *TINY_BENCH, "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5")
-    return root, a, b, abl
+    bench and report tests: (root, bench A stdout, bench B stdout, ablate stdout)."""
+    def build(root):
+        root.mkdir()
+        outs = {
+            "a": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a",
+                      *TINY_BENCH),
+            "b": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b",
+                      *TINY_BENCH, "--set", "eval.tta=none", "--seed", 10),
+            "abl": _cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", root / "abl",
+                        *TINY_BENCH, "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5"),
+        }
+        for name, proc in outs.items():
+            (root / f"{name}.stdout").write_text(proc.stdout)
+    root = build_once(artifacts, "bench-records", build)
+    return (root, *((root / f"{n}.stdout").read_text() for n in ("a", "b", "abl")))
+
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -142,7 +142,7 @@ def benches(bench_records):
 
 
 def test_bench_writes_the_record(benches):
-    root, proc, _ = benches
+    root, stdout, _ = benches
     rec = json.loads((root / "a" / "bench.json").read_text())
     assert rec["recipe"] == "fashion-mnist" and rec["target"] == 0.92 and len(rec["runs"]) == 3
     assert [r["seed"] for r in rec["runs"]] == [0, 1, 2]
@@ -163,20 +163,30 @@ def test_bench_writes_the_record(benches):
         assert key in env
     assert rec["recipe_config"]["eval"]["every"] == 0 and len(rec["recipe_hash"]) == 12
     assert rec["flops"]["total_flops"] > 0 and rec["compile_seconds"] > 0
-    assert "mean ± std" in proc.stdout and "p (mean ≥ target)" in proc.stdout
+    assert "mean ± std" in stdout and "p (mean ≥ target)" in stdout
 
 
-def test_compare_gives_a_verdict(benches):
+def _expected_clause(a: list[float], b: list[float], alpha: float, kind: str) -> str:
+    """The verdict's clause for B against A, worked out here with scipy, not speedrun."""
+    p = stats.ttest_ind(b, a, equal_var=False).pvalue
+    diff = np.mean(b) - np.mean(a)
+    if kind == "time":
+        return ("B is faster" if diff < 0 else "B is slower") if p < alpha else "time not different"
+    return ("accuracy higher" if diff > 0 else "accuracy lower") if p < alpha else "accuracy not different"
+
+
+def test_compare_gives_the_verdict_the_t_tests_give(benches):
     root, _, _ = benches
     proc = speedrun("compare", root / "a" / "bench.json", root / "b", "--json", root / "cmp.json")
     result = json.loads((root / "cmp.json").read_text())
-    assert result["verdict"] in proc.stdout.replace("\n", " ") or "accuracy" in proc.stdout
-    assert ("faster" in result["verdict"] or "slower" in result["verdict"] or "time not different" in result["verdict"])
     a = json.loads((root / "a" / "bench.json").read_text())
     b = json.loads((root / "b" / "bench.json").read_text())
-    ref = stats.ttest_ind([r["times"]["train+eval"] for r in b["runs"]], [r["times"]["train+eval"] for r in a["runs"]],
-                          equal_var=False)
-    assert result["time"]["p"] == pytest.approx(ref.pvalue)
+    ta, tb = ([r["times"]["train+eval"] for r in x["runs"]] for x in (a, b))
+    aa, ab = ([r["test_acc"] for r in x["runs"]] for x in (a, b))
+    assert result["time"]["p"] == pytest.approx(stats.ttest_ind(tb, ta, equal_var=False).pvalue)
+    assert result["verdict"].startswith(_expected_clause(ta, tb, 0.05, "time"))
+    assert ", " + _expected_clause(aa, ab, 0.05, "accuracy") in result["verdict"]
+    assert result["verdict"] in " ".join(proc.stdout.split())             # printed as written
 
 
 def test_compare_verdict_wording():
@@ -192,7 +202,7 @@ def test_compare_verdict_wording():
 
 
 def test_ablate_writes_table_and_chart(bench_records):
-    root, _, _, proc = bench_records
+    root, _, _, stdout = bench_records
     out = root / "abl"
     rec = json.loads((out / "ablate.json").read_text())
     labels = [v["label"] for v in rec["variants"]]
@@ -203,7 +213,7 @@ def test_ablate_writes_table_and_chart(bench_records):
     assert rec["recipe_config"]["name"] == "fashion-mnist"
     png = (out / "ablation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert "without label_smoothing" in proc.stdout and "epochs to target" in proc.stdout
+    assert "without label_smoothing" in stdout and "epochs to target" in stdout
 
 
 def test_flops_command_reports_the_split(tmp_path, data_dir):

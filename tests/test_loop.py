@@ -1,5 +1,6 @@
 """The training loop on real data (a slice of Fashion-MNIST, small nets, few steps)."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -101,3 +102,185 @@ def test_compiled_model_trains_and_compile_time_is_kept_apart(small):
     compiled = session.run()
     assert compiled.train_seconds < session.compile_seconds + compiled.train_seconds
     assert abs(compiled.test_acc - eager.test_acc) < 0.03
+
+
+# ------------------------------------------------------------------ the CUDA path, on the CPU
+import json
+import math
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import torch.nn as nn
+import torch.nn.functional as F
+
+from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, first_bad_step
+from speedrun.engine.runtime import compiled_graphs
+from speedrun.models.speednet import global_max_pool
+
+
+class PooledNet(nn.Module):
+    """conv -> BN -> GELU -> global max pool -> linear: the end of the speed net."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10, bias=False)
+
+    def forward(self, x):
+        return self.head(self.pool(F.gelu(self.bn(self.conv(x)))))
+
+
+def _compiled_bf16_grads_finite(pool) -> bool:
+    torch.manual_seed(0)
+    net = PooledNet(pool).to(memory_format=torch.channels_last)
+    forward = torch.compile(net, dynamic=False)           # inductor, as on a GPU
+    x = torch.randn(32, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = forward(x)
+    F.cross_entropy(out.float(), torch.randint(0, 10, (32,))).backward()
+    return all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def test_bf16_compiled_global_max_pool_has_finite_gradients():
+    """The speed net's old pooling, torch.amax over H and W, compiled by inductor in bf16,
+    gives NaN gradients on the first step (the failure this reproduces); the index-based
+    pooling the speed net now uses gives finite ones."""
+    torch._dynamo.reset()
+    assert not _compiled_bf16_grads_finite(lambda x: torch.amax(x, dim=(2, 3)))
+    torch._dynamo.reset()
+    assert _compiled_bf16_grads_finite(global_max_pool)
+    x = torch.randn(4, 5, 6, 6)
+    assert torch.equal(global_max_pool(x), torch.amax(x, dim=(2, 3)))       # same values, eager
+
+
+def test_one_compiled_model_per_process_and_no_recompiles_after_the_warm_up(small, monkeypatch):
+    """Ten sessions in one process (a bench, ablation variants, a batch-finder retry):
+    the same model is compiled once and reused; a different model resets dynamo; no run
+    compiles anything (the warm-up covered every shape), and none falls back to eager."""
+    monkeypatch.setenv("SPEEDRUN_COMPILE_BACKEND", "aot_eager")
+    rt = dataclasses.replace(resolve_runtime(RuntimeConfig(compile="on"), CPU))
+    assert rt.compile_backend == "aot_eager"
+    torch._dynamo.reset()
+    plans = [("model.widths=[8,16,16]", "data.batch_size=512"), ("model.widths=[8,16,16]", "data.batch_size=512"),
+             ("model.widths=[8,16,16]", "data.batch_size=256"), ("model.widths=[8,8,8]", "data.batch_size=512"),
+             ("model.widths=[8,16,16]", "data.batch_size=512")] * 2
+    models, warm_graphs = [], []
+    for i, plan in enumerate(plans):
+        before = compiled_graphs()
+        session = Session(_recipe("train.epochs=0.25", "eval.batch_size=1500", *plan), small, rt)
+        warm_graphs.append(compiled_graphs() - before)
+        models.append(session.model)
+        result = session.run(seed=i)
+        assert result.recompiles == 0, (i, plan)
+        assert math.isfinite(result.history[-1].train_loss)
+    assert models[1] is models[0] and models[2] is models[0]          # same model: compiled once, reused
+    assert models[3] is not models[0] and models[4] is not models[0]  # another model in between: reset
+    assert warm_graphs[0] > 0 and warm_graphs[1] == 0                 # the reuse compiled nothing
+    assert warm_graphs[2] > 0                                         # a new batch size: new shapes
+
+
+def test_warm_up_runs_every_once_per_run_path_and_restores_the_weights(small):
+    """The warm-up executes the whitening fit, the optimizer and averaging steps, the
+    augmentations and TTA evaluation (so their first-call costs stay out of the clock), and
+    leaves the model as it found it."""
+    from torch.profiler import ProfilerActivity, profile
+    recipe = _recipe("augment.cutout=4", "eval.tta=flip_translate", "eval.tta_fraction=0.5", "eval.batch_size=1500")
+    session = Session(recipe, small, _runtime())
+    before = {k: v.clone() for k, v in session.model.state_dict().items()}
+    from speedrun.engine.warmup import warm_up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = warm_up(session)
+    ops = {e.key for e in prof.key_averages()}
+    for op in ("aten::linalg_eigh",                       # whitening fit
+               "Optimizer.step#SGD.step", "aten::_foreach_lerp_",   # SGD step, lookahead averaging
+               "aten::gather", "aten::masked_fill",        # translate crops, cutout
+               "aten::flip", "aten::reflection_pad2d",     # flip and translated TTA views
+               "aten::topk", "aten::index_copy"):          # TTA on the least confident images
+        assert op in ops, op
+    assert seconds > 0
+    after = session.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nothing_but_training_is_timed(small, tmp_path):
+    """Checkpoints every step and a slow metrics writer (2 s, standing for a slow disk) are
+    paused out of train_seconds, in `train` as in `bench`, and reported as bookkeeping."""
+    recipe = _recipe("checkpoint.every_steps=1", "eval.every=0")
+    session = Session(recipe, small, _runtime())
+    t0 = time.perf_counter()
+    result = session.run(seed=0, on_epoch=lambda rec: time.sleep(2.0) if rec.epoch == 1 else None,
+                         checkpoint_dir=tmp_path)
+    wall = time.perf_counter() - t0
+    assert (tmp_path / "checkpoint.pt").is_file()
+    assert result.bookkeeping_seconds >= 2.0
+    assert wall - result.train_seconds >= result.bookkeeping_seconds - 0.05     # paused time is not counted
+
+
+def test_resident_data_makes_no_float_copy_of_the_training_set(data_dir):
+    """Building the device-resident CIFAR-10 (150 MB as uint8) adds about one uint8 copy
+    (the channels-last layout); the float32 copies it used to make were 1.4 GB."""
+    code = f"""
+import resource, torch
+from speedrun.data import load_dataset
+from speedrun.data.resident import ResidentData
+ds = load_dataset("cifar10", {str(data_dir)!r}, fetch=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+data = ResidentData(ds, torch.device("cpu"), torch.float32, torch.channels_last, translate=2)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) // 1024, data.train.dtype)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    grown_mb, dtype = proc.stdout.split()
+    assert dtype == "torch.uint8"
+    assert int(grown_mb) < 400, grown_mb
+
+
+def test_non_finite_losses_stop_a_run_except_overflows_the_loss_scaler_skips():
+    inf = math.inf
+    assert first_bad_step([1.0, inf, 1.0], loss_scaling=False) == (1, 0, 0)
+    assert first_bad_step([1.0, inf, 1.0, math.nan], loss_scaling=True) == (None, 2, 1)
+    run = [1.0] + [inf] * NONFINITE_PATIENCE
+    assert first_bad_step(run, loss_scaling=True)[0] == NONFINITE_PATIENCE
+    # a run of overflows across an epoch boundary counts as one
+    assert first_bad_step([inf] * 5, loss_scaling=True, run_before=NONFINITE_PATIENCE - 5)[0] == 4
+
+
+class InfOnTrainingCalls:
+    """A forward hook that makes the logits infinite on the given training calls (an fp16
+    overflow, as a real one would arrive)."""
+
+    def __init__(self, calls):
+        self.calls, self.n = set(calls), 0
+
+    def __call__(self, module, args, out):
+        if module.training:
+            self.n += 1
+            if self.n in self.calls:
+                return out * math.inf
+        return out
+
+
+def test_fp16_overflow_steps_are_skipped_and_only_a_long_run_of_them_stops_training(small):
+    """fp16 with loss scaling (CPU autocast and GradScaler): one overflowing step is skipped
+    by the scaler and counted, and the run goes on; overflow on every step stops it after
+    NONFINITE_PATIENCE steps, naming the step. Without loss scaling (fp32) one stops it."""
+    fp16 = _runtime(precision="fp16")
+    session = Session(_recipe("eval.every=0"), small, fp16)
+    hook = session.model.register_forward_hook(InfOnTrainingCalls({3}))
+    result = session.run()
+    hook.remove()
+    assert result.steps == 32 and result.history[0].skipped_steps == 1 and result.history[1].skipped_steps == 0
+    assert math.isfinite(result.history[0].train_loss)
+    session.model.register_forward_hook(InfOnTrainingCalls(range(1, 1000)))
+    with pytest.raises(NonFiniteLoss) as err:
+        session.run()
+    assert err.value.step == NONFINITE_PATIENCE and err.value.last_good_step == 0
+    fp32 = Session(_recipe("eval.every=0"), small, _runtime())
+    fp32.model.register_forward_hook(InfOnTrainingCalls({3}))
+    with pytest.raises(NonFiniteLoss) as err:
+        fp32.run()
+    assert err.value.step == 3

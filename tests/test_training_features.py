@@ -2,6 +2,7 @@
 resizing, distillation, mixing, LARS/LAMB and the batch finder."""
 import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -77,7 +78,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(data_dir, 
     state_step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
     assert state_step % 7 == 0 and state_step < 60
     out = speedrun("train", "--resume", run, "--data-dir", data_dir)
-    assert f"{state_step}" in out.stdout
+    assert re.search(rf"resumed from step\s*│\s*{state_step}\s*│", out.stdout), out.stdout
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(run / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quality", type=_int_range(1, 100), default=95, help="JPEG quality, 1 to 100")
     p.add_argument("--limit", type=_positive_int, help="only the first N images of each split")
+    p.add_argument("--size", type=_int_range(8, 4096), help="resize to SIZE x SIZE pixels (bicubic)")
+    p.add_argument("--layout", choices=["imagenet", "tiny-imagenet"], default="imagenet",
+                   help="train/<class>/ and val/<class>/ (imagenet), or Tiny-ImageNet's train/<class>/images/ "
+                        "with val/images/ and val_annotations.txt")
     p.add_argument("--data-dir", help="where the dataset is (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
     return parser
 
@@ -206,7 +210,8 @@ def data_command(args) -> int:
                       args.skip_corrupt)
         print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
     else:
-        out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit)
+        out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit,
+                     size=args.size, layout=args.layout)
         print_table(f"exported {args.dataset}", [(k, str(v) if k != "classes" else str(len(v)))
                                                   for k, v in out.items()])
     return 0

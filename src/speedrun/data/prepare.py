@@ -149,24 +149,54 @@ def _safe(name: str) -> str:
 
 
 def _write_image(args) -> None:
-    path, img, fmt, quality = args
+    path, img, fmt, quality, size = args
     im = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
+    if size and im.size != (size, size):
+        im = im.resize((size, size), Image.BICUBIC)
     if fmt == "jpeg":
         im.save(path, format="JPEG", quality=quality)
     else:
         im.save(path, format="PNG", compress_level=1)
 
 
+LAYOUTS = ("imagenet", "tiny-imagenet")
+
+
+def _export_jobs(staging: Path, ds, layout: str, ext: str, limit: int | None, side: int) -> tuple[list, list[str]]:
+    """(one (path, image) per image to write, lines of Tiny-ImageNet's val_annotations.txt)."""
+    jobs, annotations = [], []
+    for split, x, y in (("train", ds.train_x, ds.train_y), ("val", ds.test_x, ds.test_y)):
+        xs, ys = x.numpy(), y.numpy()
+        n = min(len(ys), limit or len(ys))
+        for i in range(n):
+            cls = _safe(ds.classes[ys[i]])
+            if layout == "imagenet":
+                path = staging / split / cls / f"{i:05d}.{ext}"
+            elif split == "train":                  # tiny-imagenet: train/<class>/images/<class>_N.ext
+                path = staging / "train" / cls / "images" / f"{cls}_{i}.{ext}"
+            else:                                   # val/images/val_N.ext, classes in val_annotations.txt
+                path = staging / "val" / "images" / f"val_{i}.{ext}"
+                annotations.append(f"val_{i}.{ext}\t{cls}\t0\t0\t{side - 1}\t{side - 1}")
+            jobs.append((path, xs[i]))
+    return jobs, annotations
+
+
 def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 95, workers: int = -1,
-           limit: int | None = None) -> dict:
-    """Write a built-in dataset as DIR/train/<class>/NNNNN.ext and DIR/val/<class>/NNNNN.ext
-    (``limit``: only the first that many images of each split)."""
+           limit: int | None = None, size: int | None = None, layout: str = "imagenet") -> dict:
+    """Write a built-in dataset as an image folder: DIR/train/<class>/NNNNN.ext and
+    DIR/val/<class>/NNNNN.ext (``layout="imagenet"``), or Tiny-ImageNet's layout
+    (train/<class>/images/, val/images/ with val_annotations.txt). ``limit``: only the first
+    that many images of each split; ``size``: resized (bicubic) to size x size pixels."""
     if fmt not in ("png", "jpeg"):
         raise DataError(f"--format {fmt!r}: use png or jpeg")
+    if layout not in LAYOUTS:
+        raise DataError(f"--layout {layout!r}: use {' or '.join(LAYOUTS)}")
     if limit is not None and limit < 1:
         raise DataError(f"--limit {limit}: give the number of images per split to write (at least 1)")
     if not 1 <= quality <= 100:
         raise DataError(f"--quality {quality}: JPEG quality goes from 1 to 100")
+    if size is not None and not 8 <= size <= 4096:
+        raise DataError(f"--size {size}: give the side of the square images in pixels, 8 to 4096")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunFolderError(f"--out {out} exists and is not an empty folder; choose another --out")
@@ -174,25 +204,24 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
     ds = load_dataset(name, data_dir)
     ext = "png" if fmt == "png" else "jpg"
     n_images = min(len(ds.train_y), limit or len(ds.train_y)) + min(len(ds.test_y), limit or len(ds.test_y))
-    check_output_folder(out, need_bytes=n_images * ds.train_x[0].numel() * 2 + (1 << 20))
+    pixels = (size * size * ds.in_channels) if size else ds.train_x[0].numel()
+    check_output_folder(out, need_bytes=n_images * pixels * 2 + (1 << 20))
     created = _make_parent(out)
     try:
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     except OSError as err:
         raise disk_error(out, err) from None
     try:
-        jobs = []
-        for split, x, y in (("train", ds.train_x, ds.train_y), ("val", ds.test_x, ds.test_y)):
-            xs, ys = x.numpy(), y.numpy()
-            n = min(len(ys), limit or len(ys))
-            for c in sorted(set(ys[:n].tolist())):      # only classes with images: no empty class folders
-                (staging / split / _safe(ds.classes[c])).mkdir(parents=True, exist_ok=True)
-            jobs += [(staging / split / _safe(ds.classes[ys[i]]) / f"{i:05d}.{ext}", xs[i], fmt, quality)
-                     for i in range(n)]
+        jobs, annotations = _export_jobs(staging, ds, layout, ext, limit, size or ds.image_size[0])
+        for folder in sorted({path.parent for path, _ in jobs}):      # only folders with images
+            folder.mkdir(parents=True, exist_ok=True)
+        if annotations:
+            (staging / "val" / "val_annotations.txt").write_text("\n".join(annotations) + "\n")
         with Progress(transient=True) as bar:
             task = bar.add_task(f"writing {name} as {fmt}", total=len(jobs))
             with mp.get_context("fork").Pool(default_workers(workers) or 1) as pool:
-                for _ in pool.imap_unordered(_write_image, jobs, chunksize=256):
+                args = ((path, img, fmt, quality, size) for path, img in jobs)
+                for _ in pool.imap_unordered(_write_image, args, chunksize=256):
                     bar.advance(task)
         if out.exists():
             out.rmdir()
@@ -205,4 +234,4 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
             _remove_empty(out.parent, created)
     n = lambda total: min(total, limit or total)
     return {"out": str(out), "train": n(len(ds.train_y)), "val": n(len(ds.test_y)), "classes": ds.classes,
-            "format": fmt}
+            "format": fmt, "size": size or ds.image_size[0], "layout": layout}

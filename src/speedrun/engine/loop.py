@@ -230,10 +230,11 @@ class Session:
             model = build()
             return model, model
         key = (self.recipe.model.model_dump_json(), self.source.in_channels, self.source.num_classes,
-               str(rt.device), rt.precision, rt.channels_last, rt.compile_mode)
+               str(rt.device), rt.precision, rt.channels_last, rt.compile_mode, rt.compile_backend)
         model, forward, reused = compiled_model(key, build, rt)
-        if reused:
-            self.reset(seed)
+        if reused:                                      # as built from the seed, but in the same tensors
+            model.load_state_dict(self._fresh_model(seed).state_dict())
+            model.zero_grad(set_to_none=True)
         return model, forward
 
     def reset(self, seed: int) -> None:

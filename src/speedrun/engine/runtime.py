@@ -5,6 +5,7 @@ data is stored in. Also the one compiled model a process keeps (see :func:`compi
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,11 @@ from ..errors import RecipeError
 from ..recipe import RuntimeConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+BACKEND_VARIABLE = "SPEEDRUN_COMPILE_BACKEND"
+"""torch.compile's backend: inductor (the default, what runs on a GPU), or for debugging a
+compile problem without code generation ``aot_eager`` (dynamo's graph capture and
+AOTAutograd's joint forward/backward graph, run by eager kernels) or ``eager``."""
 
 RECOMPILE_LIMIT = 64
 """Graphs dynamo may keep per function before it refuses to compile more. speedrun compiles
@@ -47,6 +53,7 @@ class Runtime:
     compile: bool
     channels_last: bool
     compile_mode: str = "default"
+    compile_backend: str = "inductor"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,6 +100,7 @@ class Runtime:
         return {"device": self.device.type, "device_name": device_name(self.device),
                 "precision": self.precision, "compile": self.compile,
                 "compile_mode": self.compile_mode if self.compile else None,
+                "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark}
 
 
@@ -120,7 +128,10 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
-    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode)
+    backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
+    if backend not in ("inductor", "aot_eager", "eager"):
+        raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
+    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend)
 
 
 # ------------------------------------------------------------------------------------------
@@ -152,8 +163,8 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime)
         torch._dynamo.reset()
     _current = None                                   # free the old model before building the new one
     model = build()
-    mode = None if runtime.compile_mode == "default" else runtime.compile_mode
-    forward = torch.compile(model, dynamic=False, mode=mode)
+    mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
+    forward = torch.compile(model, dynamic=False, mode=mode, backend=runtime.compile_backend)
     _current = _Compiled(key, model, forward)
     return model, forward, False
 

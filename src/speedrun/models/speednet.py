@@ -62,12 +62,11 @@ class SpeedNet(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         c = in_channels
-        self.whiten = None
         if cfg.whiten.kernel:
             w = cfg.whiten
-            self.whiten = PatchWhitening(c, w.kernel, w.eps, w.negate, w.padding)
-            layers.append(self.whiten)
-            c = self.whiten.out_channels
+            whiten = PatchWhitening(c, w.kernel, w.eps, w.negate, w.padding)
+            layers.append(whiten)
+            c = whiten.out_channels
             if w.activation:
                 layers.append(activation(cfg))
         if cfg.stem_width:
@@ -87,11 +86,20 @@ class SpeedNet(nn.Module):
         self.head = nn.Linear(c, num_classes, bias=False)
         self.out_scale = cfg.out_scale
 
+    @property
+    def whiten(self) -> PatchWhitening | None:
+        """The whitening layer (the first of ``features``; registered once, so each tensor has
+        one name in the state dict), or None."""
+        first = self.features[0]
+        return first if isinstance(first, PatchWhitening) else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.features(x)
-        # Global max pool by index: the backward routes each gradient to the stored argmax.
-        # torch.amax's backward instead compares the input with the stored maximum, and
-        # compiled in bf16 (inductor recomputes the activation in fp32) nothing matches, so
-        # its gradients are NaN from the first step.
-        x = F.adaptive_max_pool2d(x, 1).flatten(1)
-        return self.head(x) * self.out_scale
+        return self.head(global_max_pool(self.features(x))) * self.out_scale
+
+
+def global_max_pool(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) -> (N, C), by index: the backward routes each gradient to the stored
+    argmax. torch.amax's backward instead compares the input with the stored maximum, and
+    compiled in bf16 (inductor recomputes the activation in fp32) nothing matches, so its
+    gradients are NaN from the first step."""
+    return F.adaptive_max_pool2d(x, 1).flatten(1)

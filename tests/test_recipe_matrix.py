@@ -1,0 +1,247 @@
+"""Every shipped recipe trains a few real steps through each pipeline it supports, in fp32
+and bf16, eager and compiled, and ends with a complete run record; between them, the runs
+here set every recipe field to a value other than its default at least once.
+
+Data: small real sets made from ../shared/datasets (conftest.py): CIFAR-10 and Fashion-MNIST
+subsets (.npz, resident), CIFAR-10 as JPEG folders at 32 px (ImageNet layout), upscaled to
+64 px (Tiny-ImageNet layout) and to 224 px (ImageNet layout), streamed, and the same folders
+decoded once with `speedrun data prepare` (resident). Networks are made small (widths) and
+runs short (a few steps); everything else is the recipe's own.
+
+"Compiled" is torch.compile with the backend named in each entry: inductor (what a GPU
+runs) for the speed net, the ResNet-9 and a ResNet-18, and dynamo + AOTAutograd (aot_eager:
+the same graph capture, guards and joint forward/backward graph, without code generation)
+for the rest, whose cold inductor compiles take minutes on a 2-core CPU (78 s for ResNet-50).
+"""
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from speedrun.cli import main
+from speedrun.recipe import Recipe, load_recipe, shipped_recipes
+
+from test_cli import speedrun
+from test_docs import field_paths
+
+SPEEDNET = ["model.widths=[16,32,32]", "data.batch_size=256", "eval.batch_size=256", "train.epochs=0.75"]
+RESNET_CIFAR = ["model.width=16", "data.batch_size=128", "eval.batch_size=256", "train.epochs=0.375"]
+FOLDER = ["model.widths=[16,32,32]", "data.batch_size=128", "eval.batch_size=256", "train.epochs=0.75",
+          "data.workers=1"]
+IMAGENET = ["model.width=16", "data.batch_size=16", "eval.batch_size=48", "train.epochs=0.5", "data.workers=1"]
+TINY = ["model.width=16", "data.batch_size=32", "eval.batch_size=128", "train.epochs=0.375", "data.workers=1"]
+NPZ = ["data.dataset=npz"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One run: a recipe on a data set, in a precision, eager or compiled with a backend."""
+    recipe: str
+    data: str                              # a fixture name
+    sets: tuple[str, ...]
+    precision: str = "fp32"
+    backend: str | None = None             # None: eager
+    subprocess: bool = False               # through a real `speedrun` process
+    expect_files: tuple[str, ...] = ()
+    args: tuple[str, ...] = field(default=())
+
+    @property
+    def id(self) -> str:
+        mode = "eager" if self.backend is None else f"compiled-{self.backend}"
+        return f"{self.recipe}-{self.data}-{self.precision}-{mode}"
+
+
+def _both(recipe: str, data: str, sets: list[str], compiled_backend: str = "aot_eager", **kw) -> list[Entry]:
+    """The CPU default (fp32, eager) and the CUDA default (bf16, compiled)."""
+    return [Entry(recipe, data, tuple(sets), **kw),
+            Entry(recipe, data, tuple(sets), "bf16", compiled_backend, **{k: v for k, v in kw.items()
+                                                                       if k != "subprocess"})]
+
+
+MATRIX: list[Entry] = [
+    *_both("cifar10-94", "cifar_small", NPZ + SPEEDNET, "inductor"),
+    *_both("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET),
+    *_both("page-resnet9", "cifar_small", NPZ + SPEEDNET + ["model.stem_width=16"], "inductor"),
+    *_both("dawnbench-resnet18", "cifar_small", NPZ + RESNET_CIFAR, "inductor"),
+    *_both("fashion-mnist", "fashion_small", NPZ + SPEEDNET),
+    *_both("folder", "jpeg32", FOLDER),
+    *_both("folder", "npz32", NPZ + FOLDER),
+    *_both("imagenet-resnet50", "imagenet224", IMAGENET + ["checkpoint.every_steps=2"], subprocess=True,
+           expect_files=("checkpoint.pt",)),
+    *_both("imagenet-resnet50", "npz64", NPZ + IMAGENET),
+    *_both("imagenet-resnet50-lars", "imagenet224", IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]),
+    *_both("imagenet-resnet50-lars", "npz64", NPZ + IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]),
+    *_both("imagenet-resnet18-fast", "imagenet224", IMAGENET[:1] + ["data.batch_size=48", "train.epochs=5"]
+           + IMAGENET[2:3] + IMAGENET[4:] + ["eval.every=0"]),
+    *_both("imagenet-resnet18-fast", "npz64", NPZ + IMAGENET[:1] + ["data.batch_size=32", "train.epochs=2.5"]
+           + IMAGENET[2:3]),
+    *_both("tiny-imagenet", "tiny64", TINY, subprocess=True),
+    *_both("tiny-imagenet", "npz64", NPZ + TINY),
+    # the two remaining corners of fp32/bf16 x eager/compiled, with inductor
+    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET), "bf16"),
+    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["runtime.compile_mode=reduce-overhead"]), "fp32",
+          "inductor"),
+]
+
+# Runs that set the fields no shipped recipe sets away from their defaults.
+FIELDS: list[Entry] = [
+    # a single folder split by a seeded fraction, decoded by Pillow, unreadable files skipped
+    Entry("folder", "jpeg32_train", tuple(FOLDER + ["data.val_fraction=0.2", "data.split_seed=3",
+                                                    "data.decoder=pillow", "data.skip_corrupt=true"])),
+    # speed-net and optimizer knobs, one-cycle with cycled momentum, accumulation, checkpoints
+    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + [
+        "model.activation=celu", "model.celu_alpha=0.5", "model.norm.fp32=false", "optim.whiten_bias_lr_mult=2.0",
+        "optim.filters=orthogonal", "optim.filter_momentum=0.5", "optim.ns_steps=4", "optim.filter_norm_every=2",
+        "optim.filter_weight_decay=0.01", "schedule={kind='onecycle', peak_at=0.4, start=0.1, end=0.01, "
+        "momentum_low=0.8}", "train.accumulate=2", "train.seed=7", "eval.every=0", "runtime.channels_last=false",
+        "checkpoint.every_steps=2", "model.whiten.padding=true", "model.whiten.negate=false",
+        "averaging.every=3", "averaging.power=2.0"]),
+        expect_files=("checkpoint.pt",)),
+    # ResNet with Xavier init, LAMB, a step schedule; CutMix with a mixing probability; ReLU speed net
+    Entry("dawnbench-resnet18", "cifar_small", tuple(NPZ + RESNET_CIFAR + [
+        "model.init=xavier", "optim.name=lamb", "optim.lr=0.02", "optim.betas=[0.8, 0.99]", "optim.eps=1e-7",
+        "optim.adapt_bias_norm=true", "schedule={kind='step', warmup_epochs=0.1, warmup_start=0.2, "
+        "milestones=[0.2], gamma=0.5}", "augment.cutmix=1.0", "augment.mix_prob=0.5", "augment.crop=random_resized",
+        "augment.rrc_ratio=[0.5, 2.0]", "augment.flip=none"])),
+    # LARS knobs and a cosine schedule with a warm-up start and floor; relu; the batch finder
+    Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + [
+        "optim.name=lars", "optim.lr=20.0", "optim.trust_coefficient=0.002", "optim.lr_scaling=none",
+        "schedule={kind='cosine', warmup_epochs=0.25, warmup_start=0.1, end=0.05}", "model.activation=relu",
+        "runtime.find_batch=true"])),
+    # a polynomial schedule with a floor
+    Entry("imagenet-resnet50-lars", "npz64", tuple(NPZ + IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]
+                                                   + ["schedule={kind='poly', warmup_epochs=0.2, power=1.5, "
+                                                      "end=0.01}"])),
+    # distillation from the cifar10-94 run above (the teacher fixture)
+    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["distill.alpha=0.3", "distill.temperature=2.0"]),
+          args=("teacher",)),
+]
+
+
+def _data(request, name: str):
+    if name == "jpeg32_train":
+        return request.getfixturevalue("jpeg32") / "train"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, cifar_small):
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    assert main(["train", "cifar10-94", "--data-dir", str(cifar_small), "--out", str(out), "--device", "cpu",
+                 *sum((["--set", s] for s in NPZ + SPEEDNET), [])]) == 0
+    return out / "model.pt"
+
+
+def _train(entry: Entry, data, out, monkeypatch, request) -> None:
+    sets = list(entry.sets) + [f"runtime.precision={entry.precision}",
+                               f"runtime.compile={'off' if entry.backend is None else 'on'}"]
+    if "teacher" in entry.args:
+        sets.append(f"distill.teacher={request.getfixturevalue('teacher')}")
+    if entry.data == "jpeg32_train":
+        sets.append(f"data.path={data}")
+        location = []
+    else:
+        location = ["--data-dir", str(data)]
+    argv = ["train", entry.recipe, *location, "--out", str(out), "--device", "cpu",
+            *sum((["--set", s] for s in sets), [])]
+    env = {"SPEEDRUN_COMPILE_BACKEND": entry.backend} if entry.backend else {}
+    if entry.subprocess:
+        speedrun(*argv, env=env)
+        return
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(argv) == 0
+
+
+def check_record(out, entry: Entry) -> dict:
+    """The run record is complete and consistent."""
+    recipe = load_recipe(str(out / "config.toml"))
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for key in ("recipe", "recipe_hash", "test_acc", "test_acc_no_tta", "epochs", "steps", "train_seconds",
+                "compile_seconds", "recompiles", "wall_seconds", "device", "precision", "compile", "compile_backend",
+                "channels_last", "torch_version", "git_commit", "total_flops", "seed"):
+        assert key in summary, key
+    assert summary["recipe"] == entry.recipe == recipe.name and summary["recipe_hash"] == recipe.digest()
+    assert summary["precision"] == entry.precision and summary["compile"] == (entry.backend is not None)
+    assert summary["compile_backend"] == entry.backend
+    assert summary["recompiles"] == 0                           # the warm-up compiled every shape
+    assert 0 <= summary["test_acc"] <= 1 and 0 <= summary["test_acc_no_tta"] <= 1
+    assert summary["steps"] >= 3 and 0 < summary["train_seconds"] < summary["wall_seconds"]
+    assert len(rows) == math.ceil(summary["epochs"] - 1e-9) and rows[-1]["test_acc"] == summary["test_acc_no_tta"]
+    assert all(math.isfinite(r["train_loss"]) for r in rows)
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    for name in entry.expect_files:
+        assert (out / name).is_file(), name
+    return summary
+
+
+@pytest.mark.parametrize("entry", MATRIX + FIELDS, ids=lambda e: e.id)
+def test_recipe_trains_and_writes_a_complete_record(entry, tmp_path, monkeypatch, request):
+    data = _data(request, entry.data)
+    _train(entry, data, tmp_path / "run", monkeypatch, request)
+    check_record(tmp_path / "run", entry)
+
+
+def test_every_shipped_recipe_is_in_the_matrix_in_both_precisions_eager_and_compiled():
+    for name in shipped_recipes():
+        modes = {(e.precision, e.backend is not None) for e in MATRIX if e.recipe == name}
+        assert {("fp32", False), ("bf16", True)} <= modes, name
+    modes = {(e.precision, e.backend is not None) for e in MATRIX}
+    assert modes == {("fp32", False), ("bf16", True), ("bf16", False), ("fp32", True)}
+    assert {e.data for e in MATRIX if e.recipe == "folder"} == {"jpeg32", "npz32"}          # streamed, resident
+    for name in ("imagenet-resnet50", "imagenet-resnet50-lars", "imagenet-resnet18-fast", "tiny-imagenet"):
+        assert len({e.data for e in MATRIX if e.recipe == name}) == 2, name
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _defaults(model=Recipe, prefix: str = "") -> dict:
+    """Field path -> default, for every field that has one (per member of a union)."""
+    out = {}
+    for name, f in model.model_fields.items():
+        options = getattr(f.annotation, "__args__", (f.annotation,))
+        nested = [o for o in options if isinstance(o, type) and hasattr(o, "model_fields")]
+        if nested:
+            for n in nested:
+                for k, v in _defaults(n, f"{prefix}{name}.").items():
+                    out.setdefault(k, []).extend(v)
+        elif not f.is_required():
+            d = f.get_default(call_default_factory=True)
+            out.setdefault(prefix + name, []).append(list(d) if isinstance(d, tuple) else d)
+    return out
+
+
+def test_every_recipe_field_is_set_away_from_its_default_by_some_run():
+    defaults = _defaults()
+    exercised, seen = set(), {}
+    for e in MATRIX + FIELDS:
+        sets = list(e.sets) + (["distill.teacher=x"] if "teacher" in e.args else [])
+        if e.data == "jpeg32_train":
+            sets.append("data.path=x")
+        values = _flatten(load_recipe(e.recipe, sets).to_dict())
+        values["runtime.compile"] = "on" if e.backend else "off"
+        values["runtime.precision"] = e.precision
+        if e.data != "jpeg32_train":
+            values["data.path"] = "from --data-dir"
+        exercised |= {k for k, v in values.items() if k not in defaults or v not in defaults[k]}
+        for k, v in values.items():
+            seen.setdefault(k, []).append(v)
+    # a tag of a union (model.name, schedule.kind) has one default per member: every member is used
+    exercised |= {k for k, d in defaults.items() if len(set(map(str, d))) > 1 and all(x in seen.get(k, []) for x in d)}
+    missing = sorted(set(field_paths(Recipe)) - exercised)
+    assert not missing, f"no run sets these fields away from their defaults: {missing}"
