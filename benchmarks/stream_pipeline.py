@@ -29,7 +29,7 @@ from speedrun.data.folder import folder_splits
 from speedrun.data.stream import EpochSampler, ImageItems, collate
 from speedrun.recipe import AugmentConfig
 from speedrun.report.environment import environment
-from speedrun.report.record import atomic_write_json
+from speedrun.files import atomic_write_json
 
 MEAN = np.array([125.3, 123.0, 113.9], dtype=np.float32)
 STD = np.array([63.0, 62.1, 66.7], dtype=np.float32)

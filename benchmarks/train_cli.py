@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from speedrun.report.environment import environment
-from speedrun.report.record import atomic_write_json
+from speedrun.files import atomic_write_json
 
 
 def main() -> int:

@@ -96,3 +96,17 @@ def test_an_epoch_visits_distinct_images_in_a_new_order(fashion):
         assert sorted(rounded) == known                                  # every image once
         orders.append(rounded)
     assert orders[0] != orders[1]
+
+
+def test_translation_keeps_the_size_of_the_images_it_is_given():
+    """Progressive resizing hands smaller images than the recipe's size (the streamed
+    pipeline decodes at the epoch's size): the crop returns that size, from inside the padding,
+    and the cutout holes land inside the smaller image too."""
+    g = torch.Generator().manual_seed(0)
+    aug = BatchAugment(AugmentConfig(translate=2, cutout=4, flip="none"), 64, (32, 32), g, torch.device("cpu"))
+    draws = aug.draw(0)
+    for size in (16, 24, 32):
+        x = torch.arange(64 * size * size, dtype=torch.float32).reshape(64, 1, size, size) + 1
+        out = aug(reflect_pad(x, 2), torch.arange(64), draws)
+        assert out.shape == (64, 1, size, size)
+        assert (out == 0).flatten(1).any(1).all()                 # every image got its hole

@@ -1,6 +1,7 @@
 """End to end: the real command, real data, real files."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -121,3 +122,26 @@ def test_recipes_lists_every_shipped_recipe():
 
 def test_version_and_console_script():
     assert speedrun("--version").stdout.startswith("speedrun ")
+
+
+def test_progress_is_printed_as_plain_lines_when_output_is_a_log_file(tmp_path, fashion_small):
+    """A cluster job's log (stdout not a terminal) gets a line every N steps with step, epoch,
+    loss, images/s and ETA, and a line per epoch; `--log-every` takes steps or seconds."""
+    log = tmp_path / "job.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "speedrun", "train", "fashion-mnist", "--data-dir",
+                               str(fashion_small), "--set", "data.dataset=npz", "--out", str(tmp_path / "r"),
+                               "--set", "model.widths=[8,8,8]", "--set", "data.batch_size=128", "--set",
+                               "train.epochs=2", "--set", "eval.tta=none", "--log-every", "3"],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0
+    text = log.read_text()
+    steps = re.findall(r"fashion-mnist step (\d+)/16 epoch (\d)/2 loss (\d+\.\d+) ([\d,]+) img/s ETA (\d+s|\d+m\d\ds)",
+                       text)
+    assert [int(s[0]) for s in steps] == [3, 6, 9, 12, 15]
+    assert [s[1] for s in steps] == ["1", "1", "2", "2", "2"]
+    assert all(float(s[2]) > 0 and int(s[3].replace(",", "")) > 0 for s in steps)
+    assert len(re.findall(r"fashion-mnist epoch \d/2 done: loss \d+\.\d+ train acc", text)) == 2
+    assert "\x1b[" not in text.split("┏")[0]                       # no progress-bar escape codes
+    bad = speedrun("train", "fashion-mnist", "--log-every", "often", check=False)
+    assert bad.returncode == 2 and "--log-every 'often'" in bad.stderr

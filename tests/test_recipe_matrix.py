@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -26,101 +24,9 @@ import torch
 from speedrun.cli import main
 from speedrun.recipe import Recipe, load_recipe, shipped_recipes
 
+from matrix import FIELDS, MATRIX, NPZ, SPEEDNET, Entry
 from test_cli import speedrun
 from test_docs import field_paths
-
-SPEEDNET = ["model.widths=[16,32,32]", "data.batch_size=256", "eval.batch_size=256", "train.epochs=0.75"]
-RESNET_CIFAR = ["model.width=16", "data.batch_size=128", "eval.batch_size=256", "train.epochs=0.375"]
-FOLDER = ["model.widths=[16,32,32]", "data.batch_size=128", "eval.batch_size=256", "train.epochs=0.75",
-          "data.workers=1"]
-IMAGENET = ["model.width=16", "data.batch_size=16", "eval.batch_size=48", "train.epochs=0.5", "data.workers=1"]
-TINY = ["model.width=16", "data.batch_size=32", "eval.batch_size=128", "train.epochs=0.375", "data.workers=1"]
-NPZ = ["data.dataset=npz"]
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One run: a recipe on a data set, in a precision, eager or compiled with a backend."""
-    recipe: str
-    data: str                              # a fixture name
-    sets: tuple[str, ...]
-    precision: str = "fp32"
-    backend: str | None = None             # None: eager
-    subprocess: bool = False               # through a real `speedrun` process
-    expect_files: tuple[str, ...] = ()
-    args: tuple[str, ...] = field(default=())
-
-    @property
-    def id(self) -> str:
-        mode = "eager" if self.backend is None else f"compiled-{self.backend}"
-        return f"{self.recipe}-{self.data}-{self.precision}-{mode}"
-
-
-def _both(recipe: str, data: str, sets: list[str], compiled_backend: str = "aot_eager", **kw) -> list[Entry]:
-    """The CPU default (fp32, eager) and the CUDA default (bf16, compiled)."""
-    return [Entry(recipe, data, tuple(sets), **kw),
-            Entry(recipe, data, tuple(sets), "bf16", compiled_backend, **{k: v for k, v in kw.items()
-                                                                       if k != "subprocess"})]
-
-
-MATRIX: list[Entry] = [
-    *_both("cifar10-94", "cifar_small", NPZ + SPEEDNET, "inductor"),
-    *_both("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET),
-    *_both("page-resnet9", "cifar_small", NPZ + SPEEDNET + ["model.stem_width=16"], "inductor"),
-    *_both("dawnbench-resnet18", "cifar_small", NPZ + RESNET_CIFAR, "inductor"),
-    *_both("fashion-mnist", "fashion_small", NPZ + SPEEDNET),
-    *_both("folder", "jpeg32", FOLDER),
-    *_both("folder", "npz32", NPZ + FOLDER),
-    *_both("imagenet-resnet50", "imagenet224", IMAGENET + ["checkpoint.every_steps=2"], subprocess=True,
-           expect_files=("checkpoint.pt",)),
-    *_both("imagenet-resnet50", "npz64", NPZ + IMAGENET),
-    *_both("imagenet-resnet50-lars", "imagenet224", IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]),
-    *_both("imagenet-resnet50-lars", "npz64", NPZ + IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]),
-    *_both("imagenet-resnet18-fast", "imagenet224", IMAGENET[:1] + ["data.batch_size=48", "train.epochs=5"]
-           + IMAGENET[2:3] + IMAGENET[4:] + ["eval.every=0"]),
-    *_both("imagenet-resnet18-fast", "npz64", NPZ + IMAGENET[:1] + ["data.batch_size=32", "train.epochs=2.5"]
-           + IMAGENET[2:3]),
-    *_both("tiny-imagenet", "tiny64", TINY, subprocess=True),
-    *_both("tiny-imagenet", "npz64", NPZ + TINY),
-    # the two remaining corners of fp32/bf16 x eager/compiled, with inductor
-    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET), "bf16"),
-    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["runtime.compile_mode=reduce-overhead"]), "fp32",
-          "inductor"),
-]
-
-# Runs that set the fields no shipped recipe sets away from their defaults.
-FIELDS: list[Entry] = [
-    # a single folder split by a seeded fraction, decoded by Pillow, unreadable files skipped
-    Entry("folder", "jpeg32_train", tuple(FOLDER + ["data.val_fraction=0.2", "data.split_seed=3",
-                                                    "data.decoder=pillow", "data.skip_corrupt=true"])),
-    # speed-net and optimizer knobs, one-cycle with cycled momentum, accumulation, checkpoints
-    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + [
-        "model.activation=celu", "model.celu_alpha=0.5", "model.norm.fp32=false", "optim.whiten_bias_lr_mult=2.0",
-        "optim.filters=orthogonal", "optim.filter_momentum=0.5", "optim.ns_steps=4", "optim.filter_norm_every=2",
-        "optim.filter_weight_decay=0.01", "schedule={kind='onecycle', peak_at=0.4, start=0.1, end=0.01, "
-        "momentum_low=0.8}", "train.accumulate=2", "train.seed=7", "eval.every=0", "runtime.channels_last=false",
-        "checkpoint.every_steps=2", "model.whiten.padding=true", "model.whiten.negate=false",
-        "averaging.every=3", "averaging.power=2.0"]),
-        expect_files=("checkpoint.pt",)),
-    # ResNet with Xavier init, LAMB, a step schedule; CutMix with a mixing probability; ReLU speed net
-    Entry("dawnbench-resnet18", "cifar_small", tuple(NPZ + RESNET_CIFAR + [
-        "model.init=xavier", "optim.name=lamb", "optim.lr=0.02", "optim.betas=[0.8, 0.99]", "optim.eps=1e-7",
-        "optim.adapt_bias_norm=true", "schedule={kind='step', warmup_epochs=0.1, warmup_start=0.2, "
-        "milestones=[0.2], gamma=0.5}", "augment.cutmix=1.0", "augment.mix_prob=0.5", "augment.crop=random_resized",
-        "augment.rrc_ratio=[0.5, 2.0]", "augment.flip=none"])),
-    # LARS knobs and a cosine schedule with a warm-up start and floor; relu; the batch finder
-    Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + [
-        "optim.name=lars", "optim.lr=20.0", "optim.trust_coefficient=0.002", "optim.lr_scaling=none",
-        "schedule={kind='cosine', warmup_epochs=0.25, warmup_start=0.1, end=0.05}", "model.activation=relu",
-        "runtime.find_batch=true"])),
-    # a polynomial schedule with a floor
-    Entry("imagenet-resnet50-lars", "npz64", tuple(NPZ + IMAGENET[:1] + ["data.per_device_batch=16"] + IMAGENET[2:]
-                                                   + ["schedule={kind='poly', warmup_epochs=0.2, power=1.5, "
-                                                      "end=0.01}"])),
-    # distillation from the cifar10-94 run above (the teacher fixture)
-    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["distill.alpha=0.3", "distill.temperature=2.0"]),
-          args=("teacher",)),
-]
 
 
 def _data(request, name: str):

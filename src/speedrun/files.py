@@ -46,30 +46,35 @@ def _why(err: OSError) -> str:
             errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full",
             errno.EDQUOT: "the disk quota is exceeded", errno.EFBIG: "the file is larger than allowed",
             errno.ENOTDIR: "a part of the path is a file, not a folder",
+            errno.EEXIST: "a file is in the way (a folder is needed there)",
             errno.EISDIR: "it is a folder"}.get(err.errno, err.strerror or str(err))
 
 
 def disk_error(path: Path, err: OSError, doing: str = "write") -> RunFolderError:
     """The error to raise when writing ``path`` failed with ``err``."""
-    return RunFolderError(f"cannot {doing} {path}: {_why(err)}. Choose another output path (--out) or free "
-                          "the space / fix the permissions, then run again")
+    return RunFolderError(f"cannot {doing} {path}: {_why(err)}. Choose another output path, or free the "
+                          "space / fix the permissions, then run again")
 
 
-def check_output_folder(path: str | os.PathLike, option: str = "--out", need_bytes: int = MIN_FREE_BYTES) -> None:
+def check_output_folder(path: str | os.PathLike, option: str = "--out", need_bytes: int = MIN_FREE_BYTES,
+                        given: str | os.PathLike | None = None) -> None:
     """Raise :class:`RunFolderError` unless ``path`` is a folder, or one can be made there, that
-    can be written and has ``need_bytes`` free. Leaves nothing behind on disk."""
+    can be written and has ``need_bytes`` free. Leaves nothing behind on disk. ``given``: the
+    file the user named, when ``path`` is the folder it goes in (messages quote what was given)."""
     path = Path(path)
+    name = f"{option} {given if given is not None else path}"
     if path.exists() and not path.is_dir():
-        raise RunFolderError(f"{option} {path}: a file is in the way (a folder is needed there); "
-                             "choose another path")
+        if given is None:
+            raise RunFolderError(f"{name}: a file is in the way (a folder is needed there); choose another path")
+        raise RunFolderError(f"{name}: {path} is a file, so no folder can be made under it; choose another path")
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise RunFolderError(f"{option} {path}: {base} is a file, so no folder can be made under it; "
+        raise RunFolderError(f"{name}: {base} is a file, so no folder can be made under it; "
                              "choose another path")
-    _probe_write(base, path, option)
+    _probe_write(base, name)
     free = shutil.disk_usage(base).free
     if free < need_bytes:
-        raise RunFolderError(f"{option} {path}: the disk holding {base} has {human_bytes(free)} free, and "
+        raise RunFolderError(f"{name}: the disk holding {base} has {human_bytes(free)} free, and "
                              f"this needs about {human_bytes(need_bytes)}; free some space or choose another path")
 
 
@@ -82,16 +87,16 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", need_bytes
         raise RunFolderError(f"{option} {path}: is a folder; give a file name")
     if path.exists() and not overwrite:
         raise RunFolderError(f"{option} {path}: already exists; choose another name so that it is not overwritten")
-    check_output_folder(path.parent, option, need_bytes)
+    check_output_folder(path.parent, option, need_bytes, given=path)
 
 
-def _probe_write(base: Path, path: Path, option: str) -> None:
+def _probe_write(base: Path, name: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=base, prefix=".speedrun-probe-")
         os.close(fd)
         os.unlink(tmp)
     except OSError as err:
-        raise RunFolderError(f"{option} {path}: cannot write in {base}: {_why(err)}; choose another path") from None
+        raise RunFolderError(f"{name}: cannot write in {base}: {_why(err)}; choose another path") from None
 
 
 class OutputFolder:

@@ -198,6 +198,7 @@ def to_markdown(rep: Report, files_dir: str) -> str:
 
 
 def write_report(target: Path) -> tuple[Path, Path]:
+    check_output_folder(target, "report folder")          # before the work of building the report
     rep = build(target)
     check_output_folder(target, "report folder", need_bytes=sum(len(png) for *_, png in rep.figures) + (1 << 20))
     files = target / "report_files"

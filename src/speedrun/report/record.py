@@ -48,6 +48,11 @@ class RunRecord:
             raise RunFolderError(f"{self.folder} holds a finished run; there is nothing to resume")
         check_output_folder(self.folder, "--out" if not self.resuming else "--resume", need_bytes)
         self.created = not self.folder.exists()
+        self._made: list[Path] = []          # the folder and the parents the first write will make
+        made = self.folder
+        while not made.exists() and made != made.parent:
+            self._made.append(made)
+            made = made.parent
         self.written: list[Path] = []
         self._metrics: list[str] = [json.dumps(h) for h in resume_history or []]
 
@@ -80,10 +85,14 @@ class RunRecord:
 
     def discard(self) -> None:
         """After a failure: remove what this run wrote unless something worth keeping is there
-        (weights, a checkpoint, a summary), and the folder too if this run made it and it is empty."""
+        (weights, a checkpoint, a summary), and the folder too if this run made it and it is empty,
+        with the parents it made for it (such as ``runs/``) that are left empty."""
         if self.resuming or any((self.folder / n).exists() for n in KEEP_FILES):
             return
         for path in self.written:
             path.unlink(missing_ok=True)
-        if self.created and self.folder.is_dir() and not any(self.folder.iterdir()):
-            self.folder.rmdir()
+        for folder in self._made:            # deepest first; stops at the first one not empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
