@@ -151,22 +151,23 @@ def npz64(artifacts, tiny64) -> Path:
     return build_once(artifacts, "npz64", build) / "t64.npz"
 
 
-TINY_BENCH = ["--set", "train.epochs=0.1", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024",
-              "--set", "eval.tta=flip"]
+TINY_BENCH = ["--set", "data.dataset=npz", "--set", "train.epochs=0.75", "--set", "model.widths=[8,16,16]",
+              "--set", "data.batch_size=256", "--set", "eval.tta=flip"]
+"""fashion-mnist on the 1,024-image slice (--data-dir fashion_small): 3 steps and a 256-image test."""
 
 
 @pytest.fixture(scope="session")
-def bench_records(artifacts, data_dir):
+def bench_records(artifacts, fashion_small):
     """Two small benches and an ablation, made once with the real commands and shared by the
     bench and report tests: (root, bench A stdout, bench B stdout, ablate stdout)."""
     def build(root):
         root.mkdir()
         outs = {
-            "a": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "a",
+            "a": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", fashion_small, "--out", root / "a",
                       *TINY_BENCH),
-            "b": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", data_dir, "--out", root / "b",
+            "b": _cli("bench", "fashion-mnist", "--runs", 3, "--data-dir", fashion_small, "--out", root / "b",
                       *TINY_BENCH, "--set", "eval.tta=none", "--seed", 10),
-            "abl": _cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", root / "abl",
+            "abl": _cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", root / "abl",
                         *TINY_BENCH, "--tricks", "label_smoothing,tta", "--ladder", "tta", "--epochs-grid", "0.5"),
         }
         for name, proc in outs.items():

@@ -209,15 +209,16 @@ def test_ablate_writes_table_and_chart(bench_records):
     assert labels == ["recipe", "without label_smoothing", "without tta", "ladder: none", "ladder: +tta"]
     without_tta = rec["variants"][2]
     assert without_tta["delta_acc"] is not None and len(without_tta["grid"]) == 2
-    assert without_tta["grid"][0]["epochs"] == pytest.approx(0.05)
+    assert without_tta["grid"][0]["epochs"] == pytest.approx(0.375)
     assert rec["recipe_config"]["name"] == "fashion-mnist"
     png = (out / "ablation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert "without label_smoothing" in stdout and "epochs to target" in stdout
 
 
-def test_flops_command_reports_the_split(tmp_path, data_dir):
-    proc = speedrun("flops", "fashion-mnist", "--data-dir", data_dir, "--steps", 3, "--json", tmp_path / "f.json")
+def test_flops_command_reports_the_split(tmp_path, fashion_small):
+    proc = speedrun("flops", "fashion-mnist", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--steps", 3,
+                    "--json", tmp_path / "f.json")
     rec = json.loads((tmp_path / "f.json").read_text())
     net = build_model(load_recipe("fashion-mnist").model, 1, 10)
     assert rec["flops_per_train_image"] > 2 * rec["flops_per_forward_image"]
@@ -226,12 +227,12 @@ def test_flops_command_reports_the_split(tmp_path, data_dir):
     assert torch.isfinite(torch.tensor(rec["ideal_seconds"]))
 
 
-def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, data_dir):
+def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_small):
     """Interrupt a real ablation once its first variant is written, then resume it: the
     finished variant is kept as it was and only the missing ones run."""
     out = tmp_path / "abl"
-    cmd = [sys.executable, "-m", "speedrun", "ablate", "fashion-mnist", "--runs", "2", "--data-dir", str(data_dir),
-           "--out", str(out), *TINY_BENCH, "--tricks", "label_smoothing,tta"]
+    cmd = [sys.executable, "-m", "speedrun", "ablate", "fashion-mnist", "--runs", "2", "--data-dir", str(fashion_small),
+           "--out", str(out), *TINY_BENCH, "--set", "train.epochs=4", "--tricks", "label_smoothing,tta"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     record_path, first = out / "ablate.json", None
     deadline = time.monotonic() + 300
@@ -265,11 +266,11 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, data_dir):
     assert "resumed (1)" in (out / "report.md").read_text()
 
 
-def test_ablate_resume_needs_a_record(tmp_path, data_dir):
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--out", tmp_path / "none",
+def test_ablate_resume_needs_a_record(tmp_path, fashion_small):
+    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "none",
                     "--resume", check=False)
     assert proc.returncode == 2 and "no such ablate.json (nothing to resume" in proc.stderr
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", data_dir, "--resume", check=False)
+    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--resume", check=False)
     assert proc.returncode == 2 and "--resume needs --out" in proc.stderr
 
 

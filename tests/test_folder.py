@@ -18,10 +18,9 @@ from test_cli import speedrun
 
 
 @pytest.fixture(scope="session")
-def jpeg_dir(tmp_path_factory, data_dir):
-    out = tmp_path_factory.mktemp("export") / "cifar-jpeg"
-    export("cifar10", "jpeg", out, data_dir, quality=95, limit=2000)
-    return out
+def jpeg_dir(jpeg32):
+    """CIFAR-10's first 512 training and 512 test images as JPEG files (quality 95)."""
+    return jpeg32
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +109,7 @@ def test_streamed_items_are_deterministic_per_seed_epoch_and_index(jpeg_dir):
 def test_prepare_writes_a_memory_mapped_npz_equal_to_decoding(jpeg_dir, tmp_path):
     out = tmp_path / "c.npz"
     info = prepare(jpeg_dir, 32, out, workers=2)
-    assert info["train"] == 2000 and info["test"] == 2000 and info["channels"] == 3
+    assert info["train"] == 512 and info["test"] == 512 and info["channels"] == 3
     with zipfile.ZipFile(out) as zf:
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
     arrays = open_npz(out)
@@ -142,7 +141,7 @@ def test_npz_with_hwc_arrays_and_bad_inputs(tmp_path):
         load_npz(tmp_path / "d.npz")
 
 
-QUICK = ["--set", "train.epochs=3", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=250",
+QUICK = ["--set", "train.epochs=16", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=256",
          "--set", "eval.tta=flip"]
 
 
@@ -155,9 +154,10 @@ def test_folder_trains_streamed_and_prepared_trains_resident(jpeg_dir, tmp_path)
     speedrun("train", "folder", "--set", "data.dataset=npz", "--data-dir", tmp_path / "c.npz",
              "--out", tmp_path / "r", *QUICK)
     r = json.loads((tmp_path / "r" / "summary.json").read_text())
-    # 24 steps on 2,000 images: both well above chance (0.1), and the two paths agree
-    assert s["test_acc"] > 0.25 and r["test_acc"] > 0.25
-    assert abs(s["test_acc"] - r["test_acc"]) < 0.08
+    # 32 steps on 512 images (about 27%): both above chance (10%, std 1.3 points on 512 images),
+    # and the two paths agree
+    assert s["test_acc"] > 0.18 and r["test_acc"] > 0.18
+    assert abs(s["test_acc"] - r["test_acc"]) < 0.1
 
 
 def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp_path):
@@ -195,12 +195,12 @@ def test_streamed_run_resumes_bit_for_bit_from_a_mid_epoch_checkpoint(jpeg_dir, 
     import shutil
     args = ["--data-dir", jpeg_dir, *QUICK, "--set", "checkpoint.every_steps=5", "--set", "augment.crop=random_resized",
             "--set", "augment.rrc_scale=[0.5, 1.0]"]
-    speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 24 steps; last checkpoint at 20
+    speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 32 steps; last checkpoint at 30
     cut = tmp_path / "cut"
     cut.mkdir()
     for name in ("config.toml", "checkpoint.pt"):
         shutil.copy(tmp_path / "whole" / name, cut / name)
-    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 20
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 30
     speedrun("train", "--resume", cut, "--data-dir", jpeg_dir)
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(cut / "model.pt", weights_only=True)

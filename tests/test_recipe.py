@@ -86,3 +86,45 @@ def test_partial_last_epoch_counts_steps():
     r = load_recipe("cifar10-94")
     assert total_steps(r, 50_000) == 476      # ceil(9.9 * 48), as airbench94
     assert isinstance(r, Recipe)
+
+
+def test_filter_decay_that_renormalisation_would_undo_is_refused():
+    """With the filters' norms reset every step, decay on them does nothing: asking for it is
+    an error naming the field; with norms reset less often it is accepted."""
+    with pytest.raises(RecipeError, match="optim.filter_weight_decay has no effect with optim.filter_norm_every = 1"):
+        load_recipe("cifar10-94-fast", ["optim.filter_weight_decay=0.01"])
+    r = load_recipe("cifar10-94-fast", ["optim.filter_weight_decay=0.01", "optim.filter_norm_every=4"])
+    assert r.optim.filter_weight_decay == 0.01
+    assert load_recipe("cifar10-94-fast").optim.filter_weight_decay == 0
+
+
+def test_options_without_a_meaning_are_gone():
+    """data.pipeline had one legal value per dataset kind; channels_last 'auto' always meant on."""
+    with pytest.raises(RecipeError, match="unknown recipe field 'data.pipeline'"):
+        load_recipe("fashion-mnist", ["data.pipeline=resident"])
+    with pytest.raises(RecipeError, match="'runtime.channels_last'"):
+        load_recipe("fashion-mnist", ["runtime.channels_last=auto"])
+    assert load_recipe("fashion-mnist", ["runtime.channels_last=false"]).runtime.channels_last is False
+
+
+def test_filter_decay_shrinks_filters_between_norm_resets():
+    """optim.filter_weight_decay is applied (decoupled, following the schedule) on the steps
+    between resets: with resets every 4 steps and no gradient, 3 steps shrink each filter."""
+    import torch
+    import torch.nn as nn
+    from speedrun.optim import build_optimizer
+    from speedrun.recipe import OptimConfig
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.Flatten(), nn.Linear(8, 2))
+    cfg = OptimConfig(lr=10.0, ref_batch=1024, momentum=0.85, filters="orthogonal", filter_norm_every=4,
+                      filter_weight_decay=0.05, weight_decay=0.0)
+    opt = build_optimizer(net, cfg, 1024)
+    w = net[0].weight
+    w.data.mul_(8 ** 0.5 / w.norm())                        # at the reset norm
+    before = w.detach().clone()
+    for _ in range(3):
+        w.grad = torch.zeros_like(w)
+        net[2].weight.grad = torch.zeros_like(net[2].weight)
+        net[2].bias.grad = torch.zeros_like(net[2].bias)
+        opt.step()
+    per_step = 0.05 * (1 - 0.85)                             # decoupled decay per step at multiplier 1
+    assert torch.allclose(w.detach(), before * (1 - per_step) ** 3, rtol=1e-5)

@@ -45,10 +45,10 @@ def images_loaded(dom: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, data_dir):
+def run_dir(tmp_path_factory, fashion_small):
     out = tmp_path_factory.mktemp("rep") / "run"
-    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", out, "--set", "train.epochs=0.2",
-             "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=1024")
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--out", out,
+             "--set", "train.epochs=2", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=256")
     return out
 
 

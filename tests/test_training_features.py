@@ -22,7 +22,10 @@ from speedrun.recipe import CosineSchedule, PolySchedule, StepSchedule, load_rec
 
 from test_cli import speedrun
 
-TINY = ["--set", "model.widths=[8,16,16]", "--set", "data.batch_size=500", "--set", "eval.tta=none"]
+TINY = ["--set", "data.dataset=npz", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=256",
+        "--set", "eval.tta=none"]
+"""fashion-mnist on its 1,024-image slice (--data-dir fashion_small): 4 steps an epoch; 16 epochs
+of this tiny net reach about 71% on the 256 test images (LARS 34%, LAMB 53%; chance: 10%)."""
 
 
 # ---------------------------------------------------------------------------- accumulation
@@ -50,19 +53,19 @@ def test_accumulating_four_micro_batches_equals_one_full_batch(fashion, n):
         assert (a - b).norm() / b.norm() < 1e-5
 
 
-def test_training_with_accumulation_learns(data_dir, tmp_path):
+def test_training_with_accumulation_learns(fashion_small, tmp_path):
     # a speed net has batch norm, so accumulation changes its statistics; the run still learns
-    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "acc", *TINY,
-             "--set", "train.epochs=0.5", "--set", "train.accumulate=4")
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "acc", *TINY,
+             "--set", "train.epochs=16", "--set", "train.accumulate=4")
     s = json.loads((tmp_path / "acc" / "summary.json").read_text())
     assert s["test_acc"] > 0.5
 
 
 # ------------------------------------------------------------------------------- resume
-def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(data_dir, tmp_path):
-    args = ["train", "fashion-mnist", "--data-dir", str(data_dir), "--seed", "4", *TINY, "--set", "train.epochs=2",
-            "--set", "data.batch_size=2000",
-            "--set", "eval.every=1", "--set", "checkpoint.every_steps=7"]          # 30 steps/epoch: mid-epoch
+def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path):
+    args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--seed", "4", *TINY, "--set", "train.epochs=4",
+            "--set", "data.batch_size=32", "--set", "model.widths=[32,64,64]",
+            "--set", "eval.every=1", "--set", "checkpoint.every_steps=7"]          # 32 steps/epoch: mid-epoch
     speedrun(*args, "--out", tmp_path / "whole")
     run = tmp_path / "cut"
     proc = subprocess.Popen([sys.executable, "-m", "speedrun", *args, "--out", str(run)],
@@ -76,8 +79,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(data_dir, 
         proc.wait()
     assert not (run / "summary.json").exists(), "the run finished before it could be interrupted"
     state_step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
-    assert state_step % 7 == 0 and state_step < 60
-    out = speedrun("train", "--resume", run, "--data-dir", data_dir)
+    assert state_step % 7 == 0 and state_step < 128
+    out = speedrun("train", "--resume", run, "--data-dir", fashion_small)
     assert re.search(rf"resumed from step\s*│\s*{state_step}\s*│", out.stdout), out.stdout
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(run / "model.pt", weights_only=True)
@@ -142,15 +145,15 @@ def test_distillation_loss_is_temperature_scaled_kl():
     assert distillation_loss(t, t, T) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_distill_from_a_teacher_checkpoint(data_dir, tmp_path):
-    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "teacher", *TINY,
-             "--set", "train.epochs=0.5")
-    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "student", *TINY,
-             "--set", "train.epochs=0.5", "--set", f"distill.teacher={tmp_path / 'teacher' / 'model.pt'}",
+def test_distill_from_a_teacher_checkpoint(fashion_small, tmp_path):
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "teacher", *TINY,
+             "--set", "train.epochs=16")
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "student", *TINY,
+             "--set", "train.epochs=16", "--set", f"distill.teacher={tmp_path / 'teacher' / 'model.pt'}",
              "--set", "model.widths=[8,8,8]")
     s = json.loads((tmp_path / "student" / "summary.json").read_text())
-    assert s["test_acc"] > 0.5
-    proc = speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "x", *TINY,
+    assert s["test_acc"] > 0.4                            # a smaller net than its teacher
+    proc = speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "x", *TINY,
                     "--set", f"distill.teacher={tmp_path / 'missing.pt'}", check=False)
     assert proc.returncode == 1 and "distill.teacher" in proc.stderr
 
@@ -163,11 +166,11 @@ def test_distill_from_a_teacher_checkpoint(data_dir, tmp_path):
     ["--set", "augment.crop=random_resized", "--set", "augment.rrc_scale=[0.5, 1.0]",
      "--set", "augment.color_jitter=0.3"],
 ])
-def test_training_options_run_and_learn(data_dir, tmp_path, extra):
-    speedrun("train", "fashion-mnist", "--data-dir", data_dir, "--out", tmp_path / "r", *TINY,
-             "--set", "train.epochs=0.5", *extra)
+def test_training_options_run_and_learn(fashion_small, tmp_path, extra):
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "r", *TINY,
+             "--set", "train.epochs=16", *extra)
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert s["test_acc"] > 0.4, s["test_acc"]
+    assert s["test_acc"] > 0.25, s["test_acc"]
 
 
 # --------------------------------------------------------------------------- batch finder

@@ -34,6 +34,13 @@ def channel_stats(images_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.float(), var.clamp_min(0).sqrt().float()
 
 
+def resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Antialiased bilinear resize of a batch to size x size (progressive resizing), computed
+    in fp32: the CPU kernel has no bf16 version, and fp32 is exact enough to round from."""
+    out = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return out.to(x.dtype)
+
+
 class ResidentData:
     """Train and test images on ``device`` as uint8; batches come out normalised in ``dtype``."""
 
@@ -80,7 +87,7 @@ class ResidentData:
             x = reflect_pad(self.normalise(self.train[idx]), self.translate)
             x = augment(x, idx, draws)
             if size is not None and size != x.shape[-1]:
-                x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+                x = resize(x, size)
             yield x.contiguous(memory_format=self.memory_format), self.train_y[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..data.augment import BatchAugment, reflect_pad
+from ..data.resident import resize
 from ..optim import build_averager, build_optimizer, set_step_hyperparams
 from .evaluate import evaluate
 from .step import Objective
@@ -61,7 +61,7 @@ def warm_up(session) -> float:
         x = augment(reflect_pad(randn(batch, c, size, size).to(rt.dtype), augment.translate),
                     torch.arange(batch, device=rt.device), draws)
         if x.shape[-1] != size:
-            x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            x = resize(x, size)
         x = x.contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
         for _ in range(TRAIN_CALLS):

@@ -87,8 +87,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torc
         main = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     if filters is None:
         return main
-    # decoupled decay as for the other weights: lr_t * weight_decay = multiplier_t * decay per step
-    decay_per_step = cfg.weight_decay * lr / cfg.lr
+    # decoupled decay in optim.weight_decay's units: lr_t * weight_decay = multiplier_t * decay per step.
+    # It has its own field: resetting the norms every step (the records' choice) undoes any decay.
+    decay_per_step = cfg.filter_weight_decay * lr / cfg.lr
     ortho = OrthogonalFilters([dict(params=filters, name="filters", lr=cfg.filter_lr, base_lr=cfg.filter_lr,
                                     lr_mult=1.0)], cfg.filter_lr, momentum=cfg.filter_momentum,
                               nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, norm_every=cfg.filter_norm_every,
