@@ -142,6 +142,7 @@ def test_npz_with_hwc_arrays_and_bad_inputs(tmp_path):
 
 
 QUICK = ["--set", "train.epochs=16", "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=256",
+         "--set", "eval.every=0",
          "--set", "eval.tta=flip"]
 
 
@@ -167,10 +168,11 @@ def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp
     victims = sorted((copy / "train" / "dog").iterdir())[:3]
     for v in victims:
         v.write_bytes(b"\xff\xd8\xff garbage")
-    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "a", *QUICK, check=False)
+    one_epoch = [*QUICK, "--set", "train.epochs=1"]                  # every training image once
+    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "a", *one_epoch, check=False)
     assert proc.returncode == 1 and "cannot decode this image" in proc.stderr and "dog" in proc.stderr
     assert "skip_corrupt" in proc.stderr
-    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "b", *QUICK,
+    proc = speedrun("train", "folder", "--data-dir", copy, "--out", tmp_path / "b", *one_epoch,
                     "--set", "data.skip_corrupt=true")
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["skipped_images"] >= 3 and "unreadable images skipped" in proc.stdout
@@ -193,7 +195,8 @@ def test_host_and_device_random_resized_boxes_follow_the_same_rule():
 
 def test_streamed_run_resumes_bit_for_bit_from_a_mid_epoch_checkpoint(jpeg_dir, tmp_path):
     import shutil
-    args = ["--data-dir", jpeg_dir, *QUICK, "--set", "checkpoint.every_steps=5", "--set", "augment.crop=random_resized",
+    args = ["--data-dir", jpeg_dir, *QUICK, "--set", "train.epochs=8", "--set", "data.batch_size=128",
+            "--set", "checkpoint.every_steps=5", "--set", "augment.crop=random_resized",
             "--set", "augment.rrc_scale=[0.5, 1.0]"]
     speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 32 steps; last checkpoint at 30
     cut = tmp_path / "cut"
