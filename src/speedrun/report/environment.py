@@ -54,6 +54,31 @@ def gpu_clocks() -> list[dict] | None:
     return [dict(zip(fields, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
+
+
+def cpu_details() -> dict:
+    """What tells two CPUs with the same model name apart: vendor, family/model numbers (AMD
+    family 26 is Zen 5), the clock the kernel reports, and the vector features that decide
+    kernel speed (bf16 instructions, AVX-512)."""
+    info: dict = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key in ("vendor_id", "cpu family", "model", "cpu MHz") and key not in info:
+                info[key] = value
+            elif key == "flags" and "features" not in info:
+                flags = set(value.split())
+                info["features"] = [f for f in CPU_FEATURES if f in flags]
+            if line.strip() == "":
+                break
+    except OSError:
+        pass
+    return {"cpu_vendor": info.get("vendor_id"), "cpu_family_model": f"{info.get('cpu family')}/{info.get('model')}",
+            "cpu_mhz": info.get("cpu MHz"), "cpu_features": info.get("features")}
+
+
 def environment() -> dict:
     env = {
         "torch_version": torch.__version__,
@@ -61,6 +86,7 @@ def environment() -> dict:
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "cpu_model": cpu_name(),
+        **cpu_details(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "command": command_line(),
