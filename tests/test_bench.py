@@ -7,14 +7,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 from speedrun.bench import flops
 from speedrun.bench.ablate import TRICKS, epochs_to_target, plan, tricks_of
 from speedrun.bench.compare import compare
 from speedrun.bench.stats import describe, p_mean_at_least, welch
-from speedrun.models import build_model
 from speedrun.recipe import RecipeError, load_recipe, total_steps
 
 from conftest import TINY_BENCH

@@ -284,3 +284,19 @@ def test_fp16_overflow_steps_are_skipped_and_only_a_long_run_of_them_stops_train
     with pytest.raises(NonFiniteLoss) as err:
         fp32.run()
     assert err.value.step == 3
+
+
+def test_a_cuda_runtime_turns_on_cudnn_autotuning_and_dynamo_limits():
+    """activate() runs on any machine (it only sets flags): cuDNN autotuning for CUDA, and
+    dynamo's recompile limit as an error instead of a silent fall-back to eager."""
+    import torch._dynamo as dynamo
+    saved = torch.backends.cudnn.benchmark, dynamo.config.recompile_limit, dynamo.config.fail_on_recompile_limit_hit
+    try:
+        torch.backends.cudnn.benchmark = False
+        rt = Runtime(torch.device("cuda"), "bf16", True, True, "reduce-overhead")
+        rt.activate()
+        assert torch.backends.cudnn.benchmark is True and rt.cudnn_benchmark and rt.cuda_graphs
+        assert dynamo.config.recompile_limit == 64 and dynamo.config.fail_on_recompile_limit_hit is True
+        assert not Runtime(CPU, "fp32", True, True, "reduce-overhead").cuda_graphs      # no CUDA graphs on a CPU
+    finally:
+        torch.backends.cudnn.benchmark, dynamo.config.recompile_limit, dynamo.config.fail_on_recompile_limit_hit = saved

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from speedrun.engine.evaluate import TTA_VIEWS, tta_logits
+from speedrun.engine.evaluate import tta_logits
 from speedrun.models import build_model
 from speedrun.optim import build_optimizer
 from speedrun.optim.orthogonal import OptimizerList, OrthogonalFilters, newton_schulz

@@ -86,9 +86,9 @@ class Runtime:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         if self.compile:
-            import torch._dynamo
-            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
+            dynamo.config.recompile_limit = RECOMPILE_LIMIT
+            dynamo.config.fail_on_recompile_limit_hit = True
 
     def mark_step(self) -> None:
         """Before each training step under CUDA graphs: the previous step's outputs may be
@@ -158,9 +158,9 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime)
     global _current
     if _current is not None and _current.key == key:
         return _current.model, _current.forward, True
-    import torch._dynamo
+    import torch._dynamo as dynamo
     if _current is not None:
-        torch._dynamo.reset()
+        dynamo.reset()
     _current = None                                   # free the old model before building the new one
     model = build()
     mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..models import BatchNorm, PatchWhitening
+from ..models import PatchWhitening
 from ..recipe import OptimConfig
 from .layerwise import LAMB, LARS
 from .orthogonal import OptimizerList, OrthogonalFilters
