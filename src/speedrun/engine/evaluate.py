@@ -44,7 +44,8 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
     record's cheaper TTA); the rest keep their plain logits. The share is a fixed count per
     batch size, so nothing is read back from the device."""
     views = TTA_VIEWS[tta]
-    plain = model(x.contiguous(memory_format=memory_format)).float()
+    # a copy: under CUDA graphs the next view's replay of the same graph overwrites the output
+    plain = model(x.contiguous(memory_format=memory_format)).to(torch.float32, copy=True)
     if len(views) == 1:
         return plain, plain
     idx = None

@@ -41,8 +41,9 @@ def backward_in_micro_batches(forward, x: torch.Tensor, targets: tuple, k: int, 
         loss = loss_fn(logits, xm, *tm) * (len(xm) / n)
         scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
-        outputs.append(logits.detach())
-    return total, torch.cat(outputs)
+        # under CUDA graphs the next micro-batch's replay overwrites this output: keep a copy
+        outputs.append(logits.detach() if k == 1 else logits.detach().clone())
+    return total, outputs[0] if k == 1 else torch.cat(outputs)
 
 
 def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_classes: int) -> nn.Module:
