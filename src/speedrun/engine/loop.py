@@ -25,7 +25,7 @@ import torch
 
 from ..data.augment import BatchAugment
 from ..data.source import open_pipeline, round_to_multiple
-from ..errors import RecipeError
+from ..errors import DataError, RecipeError
 from ..models import build_model
 from ..optim import build_averager, build_optimizer, lr_multipliers, momenta, set_step_hyperparams
 from ..recipe import Recipe, steps_per_epoch, total_steps
@@ -313,11 +313,10 @@ class Session:
                 st.averager.finalize()
             c_tta, c_plain, n_test = evaluate(self.forward, data.test_batches(r.eval.batch_size), r.eval.tta, rt,
                                               r.eval.tta_fraction)
-        except Exception as err:
-            from ..errors import DataError
-            if isinstance(err, DataError) and st.step > 0:
-                raise DataFailure(err, last_good.state, last_good.step) from None
-            raise
+        except DataError as err:
+            if st.step == 0:
+                raise
+            raise DataFailure(err, last_good.state, last_good.step) from None
         acc, acc_plain = (c / n_test for c in torch.stack([c_tta, c_plain]).tolist())
         train_seconds = clock.seconds()
         st.history[-1].test_acc, st.history[-1].seconds = acc_plain, train_seconds
