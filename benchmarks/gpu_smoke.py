@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from matrix import MATRIX, Entry  # noqa: E402
 from speedrun.data import load_dataset  # noqa: E402
 from speedrun.data.prepare import export, prepare  # noqa: E402
-from speedrun.data.source import open_source  # noqa: E402
+from speedrun.data.dataset import open_source  # noqa: E402
 from speedrun.engine import checkpoint as ckpt  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.runtime import resolve_runtime  # noqa: E402

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from speedrun.data.augment import BatchAugment, reflect_pad
 from speedrun.data.folder import folder_splits
-from speedrun.data.stream import EpochSampler, ImageItems, collate
+from speedrun.data.stream import Decoding, EpochSampler, ImageItems, collate
 from speedrun.recipe import AugmentConfig
 from speedrun.report.environment import environment
 from speedrun.files import atomic_write_json
@@ -75,8 +75,8 @@ def time_loader(batches, n_batches: int) -> float:
 
 
 def speedrun_batches(images, size, crop, decoder, workers, batch):
-    items = ImageItems(images, 3, True, "random_resized" if crop == "rrc" else "translate", (0.35, 1.0),
-                       (3 / 4, 4 / 3), 1.0, decoder, False, 0)
+    items = ImageItems(images, Decoding(3, True, "random_resized" if crop == "rrc" else "translate", (0.35, 1.0),
+                                        (3 / 4, 4 / 3), decoder=decoder))
     sampler = EpochSampler(len(images), batch, 0, True, size)
     loader = DataLoader(items, batch_sampler=sampler, num_workers=workers, collate_fn=collate,
                         persistent_workers=True, prefetch_factor=4)

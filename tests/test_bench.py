@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from speedrun.bench import flops
+from speedrun.engine import flops
 from speedrun.bench.ablate import TRICKS, epochs_to_target, plan, tricks_of
 from speedrun.bench.compare import compare
 from speedrun.bench.stats import describe, p_mean_at_least, welch

@@ -12,7 +12,7 @@ from speedrun.errors import RunFolderError
 from speedrun.data.arrays import load_npz, open_npz
 from speedrun.data.folder import decode, folder_splits, scan, split
 from speedrun.data.prepare import export, prepare
-from speedrun.data.stream import EpochSampler, ImageItems
+from speedrun.data.stream import Decoding, EpochSampler, ImageItems
 
 from test_cli import speedrun
 
@@ -95,7 +95,7 @@ def test_a_corrupt_jpeg_is_named(jpeg_dir, tmp_path):
 
 def test_streamed_items_are_deterministic_per_seed_epoch_and_index(jpeg_dir):
     train, _ = folder_splits(jpeg_dir, 0.0, 0)
-    items = ImageItems(train, 3, True, "random_resized", (0.3, 1.0), (0.75, 4 / 3), 1.0, "auto", False, seed=5)
+    items = ImageItems(train, Decoding(3, True, "random_resized", (0.3, 1.0), (0.75, 4 / 3), seed=5))
     a, b, c = items[(4, 24, 0)], items[(4, 24, 0)], items[(4, 24, 1)]
     assert a[0].shape == (24, 24, 3) and a[0].dtype == torch.uint8          # HWC; batches become NCHW views
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
@@ -180,7 +180,7 @@ def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp
 
 def test_host_and_device_random_resized_boxes_follow_the_same_rule():
     import random
-    from speedrun.data.augment_extra import sample_rrc_boxes
+    from speedrun.data.resized_crop import sample_rrc_boxes
     from speedrun.data.stream import rrc_box
     h, w, scale, ratio = 60, 90, (0.2, 0.9), (0.75, 4 / 3)
     host = np.array([rrc_box(h, w, scale, ratio, random.Random(i)) for i in range(4000)])

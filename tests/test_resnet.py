@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from speedrun.models import build_model
 from speedrun.models.norm import BatchNorm
-from speedrun.models.resnet import BasicBlock, Bottleneck, round_to_multiple
+from speedrun.models.resnet import BasicBlock, Bottleneck, round_up_to_multiple
 from speedrun.recipe import NormConfig, ResNetConfig
 
 
@@ -146,7 +146,7 @@ def test_kaiming_and_xavier_init_give_their_weight_std():
 
 
 def test_channel_counts_are_multiples_of_8_for_odd_widths():
-    assert [round_to_multiple(x, 8) for x in (8, 9, 16, 20, 23, 24)] == [8, 16, 16, 24, 24, 24]
+    assert [round_up_to_multiple(x, 8) for x in (8, 9, 16, 20, 23, 24)] == [8, 16, 16, 24, 24, 24]
     for depth, variant in ((18, "a"), (50, "c")):
         net = build_model(ResNetConfig(depth=depth, variant=variant, width=20), 3, 10)
         convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch(args)
     except SpeedrunError as err:
-        print(f"speedrun: error: {err}", file=sys.stderr)
+        print(f"speedrun: error: {_rank()}{err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("speedrun: interrupted", file=sys.stderr)
@@ -160,9 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:                        # a bug: one line, the traceback in a file
         path = save_traceback(err)
         first = str(err).splitlines()[0][:300] if str(err) else ""
-        print(f"speedrun: internal error: {type(err).__name__}: {first}\nThis is a bug in speedrun; the "
+        print(f"speedrun: internal error: {_rank()}{type(err).__name__}: {first}\nThis is a bug in speedrun; the "
               f"traceback is in {path} (please include it when you report it).", file=sys.stderr)
         return 1
+
+
+def _rank() -> str:
+    """'rank R/N: ' in a process of a multi-process job (every rank reports its own errors)."""
+    from .engine.distributed import detect
+    world = detect()
+    return f"rank {world.rank}/{world.size}: " if world.distributed else ""
 
 
 def save_traceback(err: BaseException) -> str:

@@ -43,3 +43,7 @@ class CheckpointError(SpeedrunError, RuntimeError):
 
 class TrainingStopped(SpeedrunError, RuntimeError):
     """Training ended early for a reason the message explains (NaN loss, out of memory)."""
+
+
+class DistributedError(SpeedrunError, RuntimeError):
+    """A process of a multi-process job cannot join, differs from the others, or lost them."""

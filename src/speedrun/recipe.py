@@ -101,6 +101,15 @@ class NormConfig(Section):
     momentum: float = Field(0.1, gt=0, le=1, description="weight of each new batch in running stats")
     eps: float = Field(1e-5, gt=0)
     fp32: bool = Field(True, description="compute batch norm in fp32 under reduced precision")
+    sync_ranks: int = Field(1, ge=0, description="processes whose batches one batch norm spans: 1 = each its own, "
+                            "0 = all, k = groups of k consecutive ranks")
+
+    @model_validator(mode="after")
+    def _ghost_or_sync(self):
+        if self.ghost_batch and self.sync_ranks != 1:
+            raise ValueError("model.norm.ghost_batch (smaller batches for batch norm) and model.norm.sync_ranks "
+                             "(larger ones, across processes) exclude each other; set one of them")
+        return self
 
 
 class SpeedNetConfig(Section):
@@ -275,6 +284,17 @@ class EvalConfig(Section):
     batch_size: int = Field(1000, gt=0)
 
 
+class DistributedConfig(Section):
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = "
+                                                     "nccl on CUDA, gloo on CPUs")
+    bucket_mb: float = Field(25.0, gt=0, description="DistributedDataParallel gradient bucket (all-reduce message) "
+                             "size in MiB")
+    compression: Literal["none", "bf16", "fp16"] = Field(
+        "none", description="all-reduce gradients in this precision (a DDP communication hook)")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a collective waits for the other processes before "
+                             "the job stops with an error")
+
+
 class RuntimeConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
@@ -299,6 +319,7 @@ class Recipe(Section):
     distill: DistillConfig = DistillConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    distributed: DistributedConfig = DistributedConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     @field_validator("name")

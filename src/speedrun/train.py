@@ -2,22 +2,25 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from .bench import flops
-from .data.source import open_source
+from .engine import flops
+from .data.dataset import open_source
 from .engine import checkpoint as ckpt
+from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
+from .engine.distributed import World
 from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session
 from .engine.runtime import device_name, pick_device, resolve_runtime
-from .errors import RecipeError, TrainingStopped
+from .errors import DistributedError, RecipeError, TrainingStopped
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
-from .report.record import RunRecord, new_run_dir
+from .report.record import NullRecord, RunRecord, new_run_dir
 
 
 def out_of_memory_message(recipe: Recipe, device) -> str:
@@ -42,6 +45,11 @@ TRAIN_SECONDS_REGION = ("first touch of the training data (moving it to the devi
 
 
 def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, wall: float) -> dict:
+    world, d = session.world, recipe.distributed
+    parallel = {**world.describe(), "per_rank_batch": session.local_batch}
+    if world.distributed:
+        parallel.update(backend=torch.distributed.get_backend(), bucket_mb=d.bucket_mb, compression=d.compression,
+                        norm_sync_ranks=recipe.model.norm.sync_ranks)
     return {
         "recipe": recipe.name,
         "recipe_hash": recipe.digest(),
@@ -64,6 +72,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "skipped_images": result.skipped_images,
         "resumed_from_step": result.resumed_from_step,
         **flop_figures(recipe, result, session),
+        **parallel,
         **session.runtime.describe(),
         **env,
     }
@@ -91,20 +100,22 @@ def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
     return recipe, state, folder
 
 
-def _train(recipe: Recipe, source, runtime, record: RunRecord, resume, say, log_every):
+def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: World):
     """Build the session and train; with runtime.find_batch, an out-of-memory error during
     training (the probe before it cannot see everything the run allocates) halves the batch
-    and starts the run again."""
+    and starts the run again. Only rank 0 shows progress and writes."""
     while True:
-        session = Session(recipe, source, runtime, say=say)
+        session = Session(recipe, source, runtime, say=say, world=world)
         recipe = session.recipe                      # the batch finder may have changed it
-        check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
-        if resume is None:
-            record.write_config(recipe.to_toml())
+        if world.is_main:
+            check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
+            if resume is None:
+                record.write_config(recipe.to_toml())
         try:
-            with TrainingProgress(recipe.name, log_every) as progress:
-                return session, session.run(progress=progress, checkpoint_dir=record.folder, resume=resume,
-                                            on_epoch=lambda rec: record.append_metrics(vars(rec)))
+            with (TrainingProgress(recipe.name, args.log_every) if world.is_main else nullcontext(None)) as progress:
+                return session, session.run(progress=progress, checkpoint_dir=record.folder if world.is_main else None,
+                                            resume=resume, on_epoch=lambda rec: record.append_metrics(vars(rec))
+                                            if world.is_main else None)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (recipe.runtime.find_batch and is_out_of_memory(err) and resume is None):
                 raise
@@ -121,24 +132,48 @@ def _bytes_needed(session: Session) -> int:
     return weights * (2 + (8 if (c.every_steps or c.every_epochs) else 0)) + (1 << 20)
 
 
+def _run_folder(args, recipe: Recipe, world: World) -> Path:
+    """--out, or a new folder under runs/: for a job of several processes one name for all of
+    them (the job's id where the launcher gives one, so a restarted job finds its folder)."""
+    if args.out:
+        return Path(args.out)
+    if world.distributed and world.job_id:
+        return Path("runs") / f"{recipe.name}-{world.job_id}"
+    return Path(distributed.broadcast_object(str(new_run_dir(recipe.name)) if world.is_main else None, world))
+
+
 def train_command(args) -> int:
+    world = distributed.detect()
+    if world.distributed and args.resume is None and world.restart and args.out and (Path(args.out) / ckpt.NAME).is_file():
+        args.resume = str(args.out)             # torchrun restarted the job: continue from its last checkpoint
     recipe, resume, folder = _recipe_for(args)
-    runtime = resolve_runtime(recipe.runtime, pick_device(args.device))
-    folder = folder or args.out or new_run_dir(recipe.name)
-    record = RunRecord(folder, resume_history=resume["history"] if resume is not None else None)
+    if world.distributed and recipe.runtime.find_batch:
+        raise RecipeError("runtime.find_batch (--find-batch) probes one process's memory; with several processes "
+                          "set data.batch_size (or data.per_device_batch) yourself")
+    device = distributed.bind_device(world, pick_device(args.device))
+    runtime = resolve_runtime(recipe.runtime, device)
+    distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
+                      recipe.distributed.timeout_s)
     try:
-        return _train_into(record, recipe, resume, runtime, args)
-    except BaseException:
-        record.discard()                   # a failed run leaves no empty folder behind
-        raise
+        folder = folder or _run_folder(args, recipe, world)
+        history = resume["history"] if resume is not None else None
+        record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
+            else NullRecord(folder)
+        try:
+            return _train_into(record, recipe, resume, runtime, args, world)
+        except BaseException:
+            record.discard()                   # a failed run leaves no empty folder behind
+            raise
+    finally:
+        distributed.stop()
 
 
-def _train_into(record: RunRecord, recipe: Recipe, resume, runtime, args) -> int:
+def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> int:
     env = environment()
     recipe, source = open_source(recipe, args.data_dir)
-    say = lambda msg: print(f"speedrun: {msg}")
+    say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
     try:
-        session, result = _train(recipe, source, runtime, record, resume, say, args.log_every)
+        session, result = _train(recipe, source, runtime, record, resume, say, args, world)
         recipe = session.recipe
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")
@@ -149,9 +184,15 @@ def _train_into(record: RunRecord, recipe: Recipe, resume, runtime, args) -> int
         path = record.save_weights(err.last_good, "last_good.pt")
         raise TrainingStopped(f"{err.error} The weights after step {err.last_good_step} are kept in {path}.") from None
     except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not is_out_of_memory(err):
-            raise
-        raise TrainingStopped(out_of_memory_message(recipe, runtime.device)) from None
+        if is_out_of_memory(err):
+            raise TrainingStopped(out_of_memory_message(recipe, runtime.device)) from None
+        if world.distributed and _lost_peer(err):
+            raise DistributedError(f"rank {world.rank} of {world.size} lost contact with the other processes "
+                                   f"({str(err).splitlines()[0][:300]}): another rank failed or hung (its own "
+                                   "message, or the launcher's, names it)") from None
+        raise
+    if not world.is_main:
+        return 0
     record.save_weights(result.state_dict)
     summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started)
     record.write_summary(summary)
@@ -166,6 +207,9 @@ def _train_into(record: RunRecord, recipe: Recipe, resume, runtime, args) -> int
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("record", str(record.folder)),
     ]
+    if world.distributed:
+        rows.insert(4, ("processes", f"{world.size} ({session.local_batch} images each per step, {world.nodes} "
+                                     f"node{'s' if world.nodes > 1 else ''})"))
     if result.recompiles:
         rows.insert(6, ("recompiles during the run", str(result.recompiles)))
     if result.skipped_images:
@@ -174,6 +218,13 @@ def _train_into(record: RunRecord, recipe: Recipe, resume, runtime, args) -> int
         rows.insert(4, ("resumed from step", str(result.resumed_from_step)))
     print_table(f"{recipe.name} on {summary['device_name']}", rows)
     return 0
+
+
+def _lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because another process went away or timed out."""
+    text = str(err).lower()
+    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                                   "peer", "nccl", "gloo"))
 
 
 def recipes_command(args) -> int:

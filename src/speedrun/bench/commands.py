@@ -7,14 +7,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..data.source import open_source
+from ..data.dataset import open_source
 from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
 from ..files import OutputFolder, atomic_write_bytes, atomic_write_json, check_output_file, read_json_record
 from ..recipe import load_recipe
 from ..report.console import TrainingProgress, make_console
-from . import flops
+from ..engine import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
 from .runner import run_bench

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 
-from ..data.source import open_source
+from ..data.dataset import open_source
 from ..engine.loop import Session
 from ..engine.runtime import Runtime
 from ..recipe import Recipe
 from ..report.environment import environment
 from ..files import atomic_write_json
-from . import flops
+from ..engine import flops
 from .stats import describe, p_mean_at_least
 
 REGIONS = ("train+eval", "end_to_end", "run_start_to_stop")

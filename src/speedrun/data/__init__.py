@@ -1,5 +1,5 @@
 """Datasets: finding and verifying files, device-resident batches, batched augmentation."""
 from ..errors import DataError
-from .sources import ArrayDataset, load_dataset
+from .builtin import ArrayDataset, load_dataset
 
 __all__ = ["ArrayDataset", "DataError", "load_dataset"]

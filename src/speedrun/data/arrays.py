@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .sources import ArrayDataset
+from .builtin import ArrayDataset
 
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
 

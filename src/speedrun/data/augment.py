@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .augment_extra import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, random_resized_crop,
-                            sample_jitter, sample_lighting, sample_rrc_boxes)
+from .colour import IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, sample_jitter, sample_lighting
+from .resized_crop import random_resized_crop, sample_rrc_boxes
 
 
 def reflect_pad(x: torch.Tensor, pad: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ from rich.progress import Progress
 from ..errors import DataError, RunFolderError
 from ..files import check_output_file, check_output_folder, disk_error, make_folder
 from .folder import ImageList, folder_splits, probe
-from .sources import load_dataset
-from .stream import ImageItems, Unreadable, default_workers
+from .builtin import load_dataset
+from .stream import Decoding, ImageItems, Unreadable, default_workers
 
 _items: ImageItems | None = None
 
@@ -45,7 +45,7 @@ def _decode_one(args):
 def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,
                   scratch: Path, label: str) -> tuple[np.ndarray, np.ndarray]:
     """Decode a split into a scratch memmap; returns (images, kept labels)."""
-    items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, "auto", skip_corrupt, 0)
+    items = ImageItems(images, Decoding(channels, False, skip_corrupt=skip_corrupt))
     arr = np.lib.format.open_memmap(scratch / f"{label}.npy", mode="w+", dtype=np.uint8,
                                     shape=(len(images), channels, size, size))
     kept = np.ones(len(images), dtype=bool)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .augment import BatchAugment, reflect_pad
-from .sources import ArrayDataset
+from .builtin import ArrayDataset
+from .stream import shard_slice
 
 STATS_CHUNK = 4096
 """Images per chunk when summing channel statistics (bounds the float temporaries)."""
@@ -47,7 +48,9 @@ class ResidentData:
     crops_in_workers = False              # random-resized crops are cut here, on the device
 
     def __init__(self, ds: ArrayDataset, device: torch.device, dtype: torch.dtype,
-                 memory_format: torch.memory_format, translate: int = 0):
+                 memory_format: torch.memory_format, translate: int = 0, shard: tuple[int, int] = (0, 1)):
+        """``shard`` = (rank, world size): batches are this rank's slice of each global batch
+        (every rank holds the whole set and draws the same permutation from the seed)."""
         self.train = ds.train_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.test = ds.test_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.mean, self.std = channel_stats(self.train)
@@ -58,6 +61,7 @@ class ResidentData:
         self.translate = translate
         self.image_size = ds.image_size
         self.dtype, self.memory_format, self.device = dtype, memory_format, device
+        self.shard = shard
         self.skipped = 0
 
     @property
@@ -82,8 +86,9 @@ class ResidentData:
         resized to ``size`` for progressive resizing, starting after ``skip`` batches."""
         perm = torch.randperm(self.n_train, generator=generator, device=self.device)
         draws = augment.draw(epoch)
+        mine = shard_slice(batch_size, *self.shard)
         for i in range(skip, self.n_train // batch_size):
-            idx = perm[i * batch_size:(i + 1) * batch_size]
+            idx = perm[i * batch_size:(i + 1) * batch_size][mine]
             x = reflect_pad(self.normalise(self.train[idx]), self.translate)
             x = augment(x, idx, draws)
             if size is not None and size != x.shape[-1]:
@@ -91,6 +96,10 @@ class ResidentData:
             yield x.contiguous(memory_format=self.memory_format), self.train_y[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The test set in batches of ``batch_size`` (this rank's slice of each)."""
         for i in range(0, self.n_test, batch_size):
-            x = self.normalise(self.test[i:i + batch_size])
-            yield x.contiguous(memory_format=self.memory_format), self.test_y[i:i + batch_size]
+            n = min(batch_size, self.n_test - i)
+            mine = shard_slice(n, *self.shard)
+            part = slice(i + mine.start, i + mine.stop)
+            x = self.normalise(self.test[part])
+            yield x.contiguous(memory_format=self.memory_format), self.test_y[part]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import random
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import DataError
 from .augment import reflect_pad
-from .augment_extra import RRC_TRIES, _centre_fallback
+from .resized_crop import RRC_TRIES, centre_fallback
 from .folder import ImageList, decode, read_bytes
 
 
@@ -45,7 +46,7 @@ def _resize_box(img: np.ndarray, size: int, box) -> np.ndarray:
 
 def rrc_box(h: int, w: int, scale, ratio, rng: random.Random) -> tuple[int, int, int, int]:
     """One random-resized-crop box (top, left, height, width) drawn on the host, with the same
-    rule as ``augment_extra.sample_rrc_boxes`` (which draws whole batches on the device);
+    rule as ``resized_crop.sample_rrc_boxes`` (which draws whole batches on the device);
     plain Python, since numpy's per-call overhead dominates for one box."""
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(RRC_TRIES):
@@ -54,7 +55,7 @@ def rrc_box(h: int, w: int, scale, ratio, rng: random.Random) -> tuple[int, int,
         cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
         if 1 <= cw <= w and 1 <= ch <= h:
             return rng.randrange(h - ch + 1), rng.randrange(w - cw + 1), ch, cw
-    ch, cw = _centre_fallback(h, w, ratio)
+    ch, cw = centre_fallback(h, w, ratio)
     return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
@@ -63,32 +64,55 @@ def item_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random((seed * 1_000_003 + epoch) * 4_294_967_311 + index)
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How one image becomes a uint8 crop: for training a random-resized box (``crop =
+    "random_resized"``, from ``rrc_scale`` and ``rrc_ratio``) or the whole image resized; for
+    evaluation the centre ``eval_crop`` of the image. Unreadable files are skipped or named."""
+    channels: int
+    train: bool
+    crop: str = "translate"
+    rrc_scale: tuple[float, float] = (1.0, 1.0)
+    rrc_ratio: tuple[float, float] = (1.0, 1.0)
+    eval_crop: float = 1.0
+    decoder: str = "auto"
+    skip_corrupt: bool = False
+    seed: int = 0
+
+    @classmethod
+    def for_training(cls, channels: int, data, augment, seed: int) -> "Decoding":
+        return cls(channels, True, augment.crop, tuple(augment.rrc_scale), tuple(augment.rrc_ratio), 1.0,
+                   data.decoder, data.skip_corrupt, seed)
+
+    @classmethod
+    def for_evaluation(cls, channels: int, data, crop: float | None = None, skip_corrupt: bool | None = None) -> "Decoding":
+        return cls(channels, False, eval_crop=data.eval_crop if crop is None else crop, decoder=data.decoder,
+                   skip_corrupt=data.skip_corrupt if skip_corrupt is None else skip_corrupt)
+
+
 class ImageItems(Dataset):
     """Items are keyed by (index, size, epoch): the sampler tells each worker the size of
     this epoch's crops (for progressive resizing) and the epoch (for the random stream).
     An item is (uint8 HWC tensor, label, index)."""
 
-    def __init__(self, images: ImageList, channels: int, train: bool, crop: str, rrc_scale, rrc_ratio,
-                 eval_crop: float, decoder: str, skip_corrupt: bool, seed: int):
-        self.images, self.channels, self.train, self.crop = images, channels, train, crop
-        self.rrc_scale, self.rrc_ratio, self.eval_crop = rrc_scale, rrc_ratio, eval_crop
-        self.decoder, self.skip_corrupt, self.seed = decoder, skip_corrupt, seed
+    def __init__(self, images: ImageList, decoding: Decoding):
+        self.images, self.d = images, decoding
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, key):
         i, size, epoch = key
-        path = self.images.path(i)
+        d, path = self.d, self.images.path(i)
         try:
             data = read_bytes(path)
-            if self.train and self.crop == "random_resized":
-                x = self._random_resized(data, path, size, item_rng(self.seed, epoch, i))
+            if d.train and d.crop == "random_resized":
+                x = self._random_resized(data, path, size, item_rng(d.seed, epoch, i))
             else:
-                x = self._resize_centre(data, path, size, self.eval_crop if not self.train else 1.0)
+                x = self._resize_centre(data, path, size, 1.0 if d.train else d.eval_crop)
         except DataError as err:
             # reported from the main process (a worker's exception arrives wrapped in its traceback)
-            return None if self.skip_corrupt else Unreadable(str(err))
+            return None if d.skip_corrupt else Unreadable(str(err))
         return _hwc(x), int(self.images.labels[i]), i
 
     def _random_resized(self, data: bytes, path, size: int, rng: random.Random) -> np.ndarray:
@@ -96,10 +120,10 @@ class ImageItems(Dataset):
 
         def need(hw):                                   # draw the box, then let the decoder shrink
             h, w = hw
-            box[:] = [hw, rrc_box(h, w, self.rrc_scale, self.rrc_ratio, rng)]
+            box[:] = [hw, rrc_box(h, w, self.d.rrc_scale, self.d.rrc_ratio, rng)]
             factor = min(box[1][2], box[1][3]) / size
             return (math.ceil(h / factor), math.ceil(w / factor)) if factor > 1 else (h, w)
-        img = decode(data, path, self.channels, need, self.decoder)
+        img = decode(data, path, self.d.channels, need, self.d.decoder)
         (h, w), (top, left, ch, cw) = box
         sy, sx = img.shape[0] / h, img.shape[1] / w
         return _resize_box(img, size, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
@@ -110,7 +134,7 @@ class ImageItems(Dataset):
         def need(hw):
             factor = min(hw) / short
             return (math.ceil(hw[0] / factor), math.ceil(hw[1] / factor)) if factor > 1 else hw
-        img = decode(data, path, self.channels, need, self.decoder)
+        img = decode(data, path, self.d.channels, need, self.d.decoder)
         h2, w2 = img.shape[:2]
         if h2 == w2 == size and crop == 1.0:            # already the right size: no resampling
             return img
@@ -140,10 +164,12 @@ def collate(items):
 class EpochSampler(Sampler):
     """Batches of (index, size, epoch): a seeded permutation per epoch for training (last
     partial batch dropped), the natural order for evaluation; ``skip`` leaves out batches
-    already trained on before a resume."""
+    already trained on before a resume. With a ``shard`` (rank, world size) each batch is this
+    rank's slice of the global batch (training) or of the evaluation set's batch, so the ranks
+    together see exactly what one process would."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, train: bool, size: int):
-        self.n, self.batch_size, self.seed, self.train = n, batch_size, seed, train
+    def __init__(self, n: int, batch_size: int, seed: int, train: bool, size: int, shard: tuple[int, int] = (0, 1)):
+        self.n, self.batch_size, self.seed, self.train, self.shard = n, batch_size, seed, train, shard
         self.epoch, self.size, self.skip = 0, size, 0
 
     def set_epoch(self, epoch: int, size: int, skip: int = 0) -> None:
@@ -154,14 +180,25 @@ class EpochSampler(Sampler):
 
     def __iter__(self):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(self.n) if self.train else np.arange(self.n)
+        rank, world = self.shard
         for b in range(self.skip, len(self)):
-            yield [(int(i), self.size, self.epoch) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+            batch = order[b * self.batch_size:(b + 1) * self.batch_size]
+            mine = shard_slice(len(batch), rank, world)
+            yield [(int(i), self.size, self.epoch) for i in batch[mine]]
+
+
+def shard_slice(n: int, rank: int, world: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``n`` items split over ``world`` ranks (the first
+    ``n % world`` ranks take one more)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
 
 
 def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: int = 1000,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and std (0..255 units) of centre crops of up to ``n`` training images."""
-    items = ImageItems(images, channels, False, "translate", (1, 1), (1, 1), 1.0, decoder, True, seed)
+    items = ImageItems(images, Decoding(channels, False, decoder=decoder, skip_corrupt=True, seed=seed))
     idx = np.random.default_rng(seed).choice(len(images), size=min(n, len(images)), replace=False)
     xs = [items[(int(i), size, 0)] for i in idx]
     x = torch.stack([it[0] for it in xs if it is not None and not isinstance(it, Unreadable)])
@@ -170,31 +207,30 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
 
 
 class StreamedData:
-    """Train and validation loaders for a folder dataset, yielding normalised device batches."""
+    """Train and validation loaders for a folder dataset, yielding normalised device batches
+    (this rank's share of each batch when training is split over processes)."""
 
     crops_in_workers = True               # random-resized crops are cut while decoding
 
-    def __init__(self, train: ImageList, val: ImageList, channels: int, size: int, cfg, augment_cfg,
-                 runtime, seed: int, mean: torch.Tensor, std: torch.Tensor, batch_size: int, eval_batch: int):
+    def __init__(self, source, recipe, runtime, seed: int, shard: tuple[int, int] = (0, 1)):
+        """``source``: a FolderSource (the folder split, measured); ``shard``: (rank, world size)."""
+        cfg, aug = recipe.data, recipe.augment
         self.device, self.dtype, self.memory_format = runtime.device, runtime.dtype, runtime.memory_format
-        self.image_size = (size, size)
-        self.n_train, self.n_test = len(train), len(val)
-        self.translate = augment_cfg.translate if augment_cfg.crop == "translate" else 0
-        self.mean = mean.reshape(-1).to(self.device)          # (C,), 0..255 units
-        self.std = std.reshape(-1).to(self.device)
+        self.image_size = (source.size, source.size)
+        self.n_train, self.n_test = len(source.train), len(source.val)
+        self.translate = aug.translate if aug.crop == "translate" else 0
+        self.mean = source.mean.reshape(-1).to(self.device)          # (C,), 0..255 units
+        self.std = source.std.reshape(-1).to(self.device)
         self.skipped = 0
         workers = default_workers(cfg.workers)
-        common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
-        item_args = (channels,)
-        self.train_items = ImageItems(train, *item_args, True, augment_cfg.crop, augment_cfg.rrc_scale,
-                                      augment_cfg.rrc_ratio, cfg.eval_crop, cfg.decoder, cfg.skip_corrupt, seed)
-        self.val_items = ImageItems(val, *item_args, False, "translate", (1, 1), (1, 1), cfg.eval_crop,
-                                    cfg.decoder, cfg.skip_corrupt, seed)
-        self.train_sampler = EpochSampler(len(train), batch_size, seed, True, size)
-        self.val_sampler = EpochSampler(len(val), eval_batch, seed, False, size)
-        self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **common)
-        self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **common)
+        self.common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
+                           persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+        self.train_items = ImageItems(source.train, Decoding.for_training(source.channels, cfg, aug, seed))
+        self.val_items = ImageItems(source.val, Decoding.for_evaluation(source.channels, cfg))
+        self.train_sampler = EpochSampler(len(source.train), cfg.batch_size, seed, True, source.size, shard)
+        self.val_sampler = EpochSampler(len(source.val), recipe.eval.batch_size, seed, False, source.size, shard)
+        self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **self.common)
+        self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **self.common)
 
     def _to_device(self, x_u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x_u8.to(self.device, non_blocking=True).float()
@@ -226,9 +262,11 @@ class StreamedData:
                        y.to(self.device, non_blocking=True))
 
     def whitening_sample(self, n: int) -> torch.Tensor:
-        """Centre crops of the first ``n`` training images, normalised (float32)."""
-        items = ImageItems(self.train_items.images, self.train_items.channels, False, "translate", (1, 1), (1, 1),
-                           1.0, self.train_items.decoder, self.train_items.skip_corrupt, self.train_items.seed)
+        """Centre crops of the first ``n`` training images, normalised (float32); the same
+        images on every rank."""
+        d = self.train_items.d
+        items = ImageItems(self.train_items.images, Decoding(d.channels, False, decoder=d.decoder,
+                                                             skip_corrupt=d.skip_corrupt))
         sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
                             collate_fn=collate)

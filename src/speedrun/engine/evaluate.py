@@ -73,9 +73,14 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
     correct, n = None, 0
     with runtime.autocast() if runtime else contextlib.nullcontext():
         for xb, yb in batches:
+            if not len(xb):                     # a rank's share of a small last batch can be empty
+                continue
             total, plain = tta_logits(model, xb, tta, memory_format, fraction)
             c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
             correct = c if correct is None else correct + c
             n += len(yb)
     model.train(was_training)
+    if correct is None:
+        device = next(model.parameters()).device
+        correct = torch.zeros(2, dtype=torch.int64, device=device)
     return correct[0], correct[1], n

@@ -24,16 +24,20 @@ import numpy as np
 import torch
 
 from ..data.augment import BatchAugment
-from ..data.source import open_pipeline, round_to_multiple
+from ..data.dataset import open_pipeline, nearest_multiple
 from ..errors import DataError, RecipeError
 from ..models import build_model
 from ..optim import build_averager, build_optimizer, lr_multipliers, momenta, set_step_hyperparams
 from ..recipe import Recipe, steps_per_epoch, total_steps
+from ..models.norm import BatchNorm
 from . import checkpoint as ckpt
+from . import distributed
 from .batch_finder import fit_batch
+from .distributed import World
 from .evaluate import evaluate
 from .runtime import Runtime, compiled_graphs, compiled_model
 from .step import Objective, load_teacher
+from .warmup import warm_up as run_warm_up
 
 WHITEN_FROZEN = frozenset({"whiten_bias"})
 
@@ -178,26 +182,44 @@ def first_bad_step(losses: list[float], loss_scaling: bool, run_before: int = 0)
     return None, sum(not math.isfinite(v) for v in losses), run
 
 
+def local_batch(recipe: Recipe, world: World) -> int:
+    """This process's share of the global batch (``data.batch_size`` is over all processes)."""
+    b, k = recipe.data.batch_size, recipe.train.accumulate
+    if b % world.size:
+        raise RecipeError(f"data.batch_size={b} does not split evenly over {world.size} processes; use a multiple "
+                          f"of {world.size} (or data.per_device_batch)")
+    local = b // world.size
+    ghost = recipe.model.norm.ghost_batch
+    if local % k or (ghost and (local // k) % ghost):
+        raise RecipeError(f"each of the {world.size} processes trains on {local} images per step, which "
+                          f"train.accumulate={k} and model.norm.ghost_batch={ghost} must divide")
+    return local
+
+
 def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
     """Training image size for ``epoch`` under progressive resizing (full size without it)."""
     if not recipe.data.progressive:
         return full
     frac = epoch / recipe.train.epochs
     scale = [s for f, s in recipe.data.progressive if f <= frac][-1]
-    return full if scale == 1 else round_to_multiple(full * scale, 8)
+    return full if scale == 1 else nearest_multiple(full * scale, 8)
 
 
 class Session:
-    """``warm_up``: run the warm-up even without compilation (benchmarks do, so that
-    one-time costs such as kernel selection stay out of the first timed run)."""
+    """One recipe on one device, in one process of ``world`` (default: the only one).
 
-    def __init__(self, recipe: Recipe, source, runtime: Runtime, warm_up: bool = False, say=print):
-        self.recipe, self.source, self.runtime = recipe, source, runtime
+    ``warm_up``: run the warm-up even without compilation (benchmarks do, so that one-time
+    costs such as kernel selection stay out of the first timed run)."""
+
+    def __init__(self, recipe: Recipe, source, runtime: Runtime, warm_up: bool = False, say=print,
+                 world: World = World()):
+        self.recipe, self.source, self.runtime, self.world = recipe, source, runtime, world
         runtime.activate()
         self.model, self.forward = self._build(recipe.train.seed)
         if recipe.runtime.find_batch:
             self.recipe = recipe = fit_batch(recipe, self.model, self.forward, runtime, source.in_channels,
                                              source.image_size[0], source.num_classes, say)
+        self.local_batch = local_batch(recipe, world)
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -205,7 +227,6 @@ class Session:
                                     source.num_classes) if recipe.distill.teacher else None
         self.compile_seconds = 0.0
         if runtime.compile or warm_up:
-            from .warmup import warm_up as run_warm_up
             self.compile_seconds = run_warm_up(self)
         self._reset_for: int | None = None
 
@@ -223,15 +244,26 @@ class Session:
         return build_model(self.recipe.model, self.source.in_channels, self.source.num_classes)
 
     def _build(self, seed: int):
-        """(model on the device, forward): compiled once per process for a given model."""
-        rt = self.runtime
-        build = lambda: self._fresh_model(seed).to(rt.device, memory_format=rt.memory_format)
+        """(model on the device, forward): batch norm joined to its process group, the start
+        checked identical on every rank, wrapped for data parallelism, and compiled once per
+        process for a given model."""
+        rt, world = self.runtime, self.world
+
+        def build():
+            model = self._fresh_model(seed).to(rt.device, memory_format=rt.memory_format)
+            group = distributed.norm_group(self.recipe.model.norm.sync_ranks, world)
+            for m in model.modules():
+                if isinstance(m, BatchNorm):
+                    m.group = group
+            distributed.check_same_start(model, world, rt.device)
+            return model
+        wrap = lambda model: distributed.wrap(model, self.recipe.distributed, world, rt.device)
         if not rt.compile:
             model = build()
-            return model, model
+            return model, wrap(model)
         key = (self.recipe.model.model_dump_json(), self.source.in_channels, self.source.num_classes,
-               str(rt.device), rt.precision, rt.channels_last, rt.compile_mode, rt.compile_backend)
-        model, forward, reused = compiled_model(key, build, rt)
+               str(rt.device), rt.precision, rt.channels_last, rt.compile_mode, rt.compile_backend, world.size)
+        model, forward, reused = compiled_model(key, build, rt, wrap)
         if reused:                                      # as built from the seed, but in the same tensors
             model.load_state_dict(self._fresh_model(seed).state_dict())
             model.zero_grad(set_to_none=True)
@@ -256,7 +288,8 @@ class Session:
             opt=build_optimizer(self.model, r.optim, r.data.batch_size),
             lrs=lr_multipliers(r.schedule, total, spe), moms=momenta(r.schedule, r.optim.momentum, total),
             averager=build_averager(self.model, r.averaging, total),
-            objective=Objective(r, rt, self.forward, self.teacher), gen=gen,
+            objective=Objective(r, rt, self.forward, self.teacher, no_sync=lambda: distributed.no_sync(self.forward)),
+            gen=gen,
             augment=BatchAugment(r.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
                                  resized_crop=not data.crops_in_workers),
             host_rng=np.random.default_rng(seed),
@@ -277,7 +310,7 @@ class Session:
 
         clock = Clock(rt)
         # --- first touch of the training data: move, measure, whiten --------------------
-        data = open_pipeline(self.source, r, rt, seed)
+        data = open_pipeline(self.source, r, rt, seed, self.world.shard)
         whiten = getattr(model, "whiten", None)
         if whiten is not None and resume is None:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
@@ -298,8 +331,8 @@ class Session:
                     last_good.take(model, st.step)
                 if r.eval.every and (epoch + 1) % r.eval.every == 0 and epoch + 1 < self.n_epochs:
                     with clock.pause("monitor"), (st.averager.applied() if st.averager else nullcontext()):
-                        _, plain, n_test = evaluate(self.forward, data.test_batches(r.eval.batch_size), "none", rt)
-                        rec.test_acc = plain.item() / n_test
+                        _, plain, n_test = self._evaluate(data, "none", 1.0).tolist()
+                        rec.test_acc = plain / n_test
                 rec.seconds = clock.seconds()
                 st.history.append(rec)
                 if epoch + 1 < self.n_epochs:
@@ -311,13 +344,12 @@ class Session:
             # --- final evaluation, with the recipe's TTA --------------------------------------
             if st.averager is not None:
                 st.averager.finalize()
-            c_tta, c_plain, n_test = evaluate(self.forward, data.test_batches(r.eval.batch_size), r.eval.tta, rt,
-                                              r.eval.tta_fraction)
+            c_tta, c_plain, n_test = self._evaluate(data, r.eval.tta, r.eval.tta_fraction).tolist()
         except DataError as err:
             if st.step == 0:
                 raise
             raise DataFailure(err, last_good.state, last_good.step) from None
-        acc, acc_plain = (c / n_test for c in torch.stack([c_tta, c_plain]).tolist())
+        acc, acc_plain = c_tta / n_test, c_plain / n_test
         train_seconds = clock.seconds()
         st.history[-1].test_acc, st.history[-1].seconds = acc_plain, train_seconds
         progress.epoch(st.history[-1])
@@ -329,6 +361,16 @@ class Session:
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
                          resumed_from_step=resume["step"] if resume else None)
+
+    def _evaluate(self, data, tta: str, fraction: float) -> torch.Tensor:
+        """(correct with TTA, correct without, images) over the whole test set: each rank
+        evaluates its share with the batch-norm statistics averaged over ranks, and the counts
+        are summed."""
+        distributed.average_norm_statistics(self.model, self.world)
+        c_tta, c_plain, n = evaluate(self.forward, data.test_batches(self.recipe.eval.batch_size), tta, self.runtime,
+                                     fraction)
+        counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
+        return distributed.all_reduce_sum(counts, self.world)
 
     def _train_epoch(self, data, st: TrainState, progress, clock: Clock, seed: int, checkpoint_dir):
         """One epoch of training steps; returns the per-step losses and the correct count (on
@@ -368,7 +410,9 @@ class Session:
                      lr: float) -> EpochRecord:
         """Read the epoch's metrics back; stop on a non-finite loss (see :func:`first_bad_step`)."""
         n = len(losses)
-        host = torch.cat([losses, correct.float()[None]]).tolist()
+        w = self.world
+        summed = distributed.all_reduce_sum(torch.cat([losses, correct.float()[None]]), w)   # ranks' means, counts
+        host = torch.cat([summed[:-1] / w.size, summed[-1:]]).tolist()
         step_losses, n_correct = host[:-1], host[-1]
         scaling = st.objective.scaler.is_enabled()
         bad, skipped, st.nonfinite_run = first_bad_step(step_losses, scaling, st.nonfinite_run)

@@ -148,8 +148,10 @@ class _Compiled:
 _current: _Compiled | None = None
 
 
-def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime) -> tuple[nn.Module, Callable, bool]:
-    """(model, compiled forward, reused) for ``key``, a description of the model and runtime.
+def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime,
+                   wrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> tuple[nn.Module, Callable, bool]:
+    """(model, compiled forward, reused) for ``key``, a description of the model and runtime;
+    ``wrap`` puts the model in what is called (DistributedDataParallel) before compiling.
 
     A process compiles a model once: sessions with the same key (bench runs, ablation
     variants that leave the model alone, batch-finder retries) get the same module and
@@ -164,7 +166,7 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime)
     _current = None                                   # free the old model before building the new one
     model = build()
     mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
-    forward = torch.compile(model, dynamic=False, mode=mode, backend=runtime.compile_backend)
+    forward = torch.compile(wrap(model), dynamic=False, mode=mode, backend=runtime.compile_backend)
     _current = _Compiled(key, model, forward)
     return model, forward, False
 

@@ -7,6 +7,7 @@ full batch's for any split, uneven ones included (only batch-norm statistics dif
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.augment_extra import mix_batch, mixed_loss
+from ..data.mixing import mix_batch, mixed_loss
 from ..errors import CheckpointError, RecipeError
 from ..models import build_model
 from ..recipe import Recipe, load_recipe
@@ -30,16 +31,19 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
 
 
 def backward_in_micro_batches(forward, x: torch.Tensor, targets: tuple, k: int, loss_fn,
-                              scale=lambda loss: loss) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale=lambda loss: loss, no_sync=nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward over ``k`` micro-batches of (x, *targets); returns (mean loss, logits) of the
-    whole batch, detached. ``loss_fn(logits, x_micro, *targets_micro)`` returns a mean loss."""
+    whole batch, detached. ``loss_fn(logits, x_micro, *targets_micro)`` returns a mean loss.
+    Under data parallelism, gradients are all-reduced once, with the last micro-batch's
+    backward: the others run inside ``no_sync()``."""
     n = len(x)
     total, outputs = None, []
     for i, xm in enumerate(x.tensor_split(k)):
         tm = [t.tensor_split(k)[i] if isinstance(t, torch.Tensor) else t for t in targets]
-        logits = forward(xm)
-        loss = loss_fn(logits, xm, *tm) * (len(xm) / n)
-        scale(loss).backward()
+        with no_sync() if i < k - 1 else nullcontext():
+            logits = forward(xm)
+            loss = loss_fn(logits, xm, *tm) * (len(xm) / n)
+            scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         # under CUDA graphs the next micro-batch's replay overwrites this output: keep a copy
         outputs.append(logits.detach() if k == 1 else logits.detach().clone())
@@ -88,8 +92,9 @@ def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_c
 class Objective:
     """Computes and back-propagates the recipe's loss for a batch."""
 
-    def __init__(self, recipe: Recipe, runtime: Runtime, forward, teacher: nn.Module | None = None):
-        self.r, self.rt, self.forward, self.teacher = recipe, runtime, forward, teacher
+    def __init__(self, recipe: Recipe, runtime: Runtime, forward, teacher: nn.Module | None = None,
+                 no_sync=nullcontext):
+        self.r, self.rt, self.forward, self.teacher, self.no_sync = recipe, runtime, forward, teacher, no_sync
         a = recipe.augment
         self.mixing = a.mixup > 0 or a.cutmix > 0
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.precision == "fp16")
@@ -120,7 +125,7 @@ class Objective:
                 return self.forward(xm)
 
         loss, logits = backward_in_micro_batches(forward, x, (y, y_partner, lam), self.r.train.accumulate,
-                                                 self._loss, self.scaler.scale)
+                                                 self._loss, self.scaler.scale, self.no_sync)
         if self.scaler.is_enabled():
             self.scaler.step(opt)             # skips the step (and lowers the scale) on inf/NaN
             self.scaler.update()

@@ -18,6 +18,8 @@ import torch
 
 from ..data.augment import BatchAugment, reflect_pad
 from ..data.resident import resize
+from ..data.stream import shard_slice
+from .distributed import no_sync
 from ..optim import build_averager, build_optimizer, set_step_hyperparams
 from .evaluate import evaluate
 from .step import Objective
@@ -26,10 +28,11 @@ TRAIN_CALLS = 3
 """Training steps per image size (CUDA graphs record on the second or third call)."""
 
 
-def eval_batch_sizes(n_test: int, batch: int) -> list[int]:
-    """The batch sizes evaluation cuts a test set of ``n_test`` into (evaluating them also
-    runs the subsets that partial TTA re-evaluates)."""
-    return sorted({min(batch, n_test), n_test % batch} - {0})
+def eval_batch_sizes(n_test: int, batch: int, shard: tuple[int, int] = (0, 1)) -> list[int]:
+    """The batch sizes this rank evaluates when a test set of ``n_test`` is cut into batches of
+    ``batch`` (evaluating them also runs the subsets that partial TTA re-evaluates)."""
+    size = lambda n: (lambda sl: sl.stop - sl.start)(shard_slice(n, *shard))
+    return sorted({size(min(batch, n_test)), size(n_test % batch)} - {0})
 
 
 def warm_up(session) -> float:
@@ -46,14 +49,14 @@ def warm_up(session) -> float:
     if whiten is not None:
         whiten.fit(randn(min(256, r.model.whiten.samples), c, full, full))
 
-    batch = r.data.batch_size
+    batch = session.local_batch                         # this rank's share of each step
     stats = torch.full((c,), 128.0, device=rt.device), torch.full((c,), 64.0, device=rt.device)
     augment = BatchAugment(r.augment, batch, src.image_size, gen, rt.device, *stats,
                            resized_crop=not src.crops_in_workers)
     draws = augment.draw(0)
     opt = build_optimizer(model, r.optim, batch)
     averager = build_averager(model, r.averaging, 1)
-    objective = Objective(r, rt, session.forward, session.teacher)
+    objective = Objective(r, rt, session.forward, session.teacher, no_sync=lambda: no_sync(session.forward))
     host_rng = np.random.default_rng(0)
     set_step_hyperparams(opt, 0.0)                     # kernels run, weights stay
     model.train()
@@ -72,7 +75,7 @@ def warm_up(session) -> float:
     model.zero_grad(set_to_none=True)
 
     n_test = len(src.test_y)
-    for n in eval_batch_sizes(n_test, r.eval.batch_size):
+    for n in eval_batch_sizes(n_test, r.eval.batch_size, session.world.shard):
         x = randn(n, c, full, full).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
         for _ in range(2):

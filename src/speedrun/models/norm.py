@@ -8,18 +8,27 @@ from ..recipe import NormConfig
 
 
 class BatchNorm(nn.BatchNorm2d):
-    """BatchNorm2d with ghost batches, a frozen scale and fp32 compute.
+    """BatchNorm2d with ghost batches, a frozen scale, fp32 compute and statistics shared
+    across processes.
 
     - ghost_batch: in training, normalise each sub-batch of this many images with its own
       statistics (Hoffer et al., 2017), a regulariser that Page's ResNet-9 uses at 32.
     - scale='frozen': the multiplicative weight stays at 1 and is not trained (Page, 2018).
     - fp32: normalise in fp32 even when the network runs in bf16/fp16.
+    - ``group`` (set by the engine from ``norm.sync_ranks``): in training, the batch statistics
+      are those of the union of the group's batches (synchronised batch norm; the large-batch
+      ImageNet runs span BN over a fixed number of images this way). One differentiable
+      all-reduce of (sum, sum of squares, count) per layer; works with gloo and NCCL. In one
+      process the same formula runs without the all-reduce, so runs with 1 and N processes
+      compute the same thing.
     """
 
     def __init__(self, channels: int, cfg: NormConfig):
         super().__init__(channels, eps=cfg.eps, momentum=cfg.momentum)
         self.ghost_batch = cfg.ghost_batch
         self.fp32 = cfg.fp32
+        self.synchronised = cfg.sync_ranks != 1     # statistics over the group's batches (one rank: its own)
+        self.group = None                           # the process group, set by the engine
         if cfg.scale == "frozen":
             self.weight.requires_grad_(False)
 
@@ -27,11 +36,32 @@ class BatchNorm(nn.BatchNorm2d):
         dtype = x.dtype
         if self.fp32:
             x = x.float()
-        if self.training and self.ghost_batch and x.shape[0] > self.ghost_batch:
+        if self.training and self.synchronised:
+            y = self._synchronised(x)
+        elif self.training and self.ghost_batch and x.shape[0] > self.ghost_batch:
             y = self._ghost(x)
         else:
             y = super().forward(x)
         return y.to(dtype)
+
+    def _synchronised(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+        c = x.shape[1]
+        stats = torch.cat([x.sum(dim=(0, 2, 3)), x.square().sum(dim=(0, 2, 3)),
+                           x.new_full((1,), x.numel() // c)])
+        if self.group is not None:
+            stats = all_reduce(stats, group=self.group)              # differentiable
+        count = stats[-1]
+        mean = stats[:c] / count
+        var = (stats[c:2 * c] / count - mean.square()).clamp_min(0)
+        y = (x - mean[:, None, None]) * torch.rsqrt(var + self.eps)[:, None, None]
+        y = y * self.weight[:, None, None] + self.bias[:, None, None]
+        with torch.no_grad():
+            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+            unbiased = var.detach() * (count / (count - 1).clamp_min(1))
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+            self.num_batches_tracked.add_(1)
+        return y
 
     def _ghost(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape

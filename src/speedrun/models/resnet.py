@@ -19,7 +19,7 @@ STAGES = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 
 TWEAKS = {"a": set(), "b": {"B"}, "c": {"B", "C"}, "d": {"B", "C", "D"}}
 
 
-def round_to_multiple(x: int, multiple: int) -> int:
+def round_up_to_multiple(x: int, multiple: int) -> int:
     """``x`` rounded up to a multiple of ``multiple`` (tensor cores want channels in 8s)."""
     return -(-x // multiple) * multiple
 
@@ -41,7 +41,7 @@ def make_stem(cfg: ResNetConfig, in_channels: int, width: int) -> nn.Sequential:
             return nn.Sequential(conv(in_channels, width, 3))
         return nn.Sequential(*conv_bn_relu(in_channels, width, 3, 1, cfg))
     if "C" in TWEAKS[cfg.variant]:              # same receptive field as 7x7, fewer FLOPs
-        half = round_to_multiple(width // 2, 8)
+        half = round_up_to_multiple(width // 2, 8)
         layers = [*conv_bn_relu(in_channels, half, 3, 2, cfg),
                   *conv_bn_relu(half, half, 3, 1, cfg),
                   *conv_bn_relu(half, width, 3, 1, cfg)]
@@ -147,7 +147,7 @@ class ResNet(nn.Module):
             raise ValueError("model.zero_gamma needs model.norm.scale = 'learned' "
                              "(a scale frozen at 0 would switch every residual branch off)")
         block = PreActBlock if cfg.preact else BasicBlock if cfg.depth < 50 else Bottleneck
-        widths = [round_to_multiple(cfg.width * 2 ** i, 8) for i in range(4)]
+        widths = [round_up_to_multiple(cfg.width * 2 ** i, 8) for i in range(4)]
         self.stem = make_stem(cfg, in_channels, widths[0])
         stages, c = [], widths[0]
         for i, (width, n_blocks) in enumerate(zip(widths, STAGES[cfg.depth])):

@@ -32,13 +32,17 @@ def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
 class RunRecord:
     """Writes one run's files into ``folder``."""
 
-    def __init__(self, folder: Path, resume_history: list[dict] | None = None, need_bytes: int = 1 << 20):
+    def __init__(self, folder: Path, resume_history: list[dict] | None = None, need_bytes: int = 1 << 20,
+                 restarted: bool = False):
         """``resume_history``: continuing a checkpointed run in its own folder, with the epochs
-        it had completed. Checks the folder (nothing is written yet)."""
+        it had completed. ``restarted``: torchrun restarted this job before it wrote a
+        checkpoint; its first attempt's config and metrics are replaced. Checks the folder
+        (nothing is written yet)."""
         self.folder = Path(folder)
         self.resuming = resume_history is not None
         if not self.resuming:
-            found = [n for n in RUN_FILES if (self.folder / n).exists()]
+            own = ("config.toml", "metrics.jsonl") if restarted else ()
+            found = [n for n in RUN_FILES if (self.folder / n).exists() and n not in own]
             if found:
                 what = ("an interrupted run (continue it with `speedrun train --resume "
                         f"{self.folder}`)" if "checkpoint.pt" in found and "summary.json" not in found else "a run")
@@ -96,3 +100,19 @@ class RunRecord:
                 folder.rmdir()
             except OSError:
                 break
+
+
+class NullRecord:
+    """What ranks other than 0 write of a run: nothing (they share rank 0's folder name)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def write_config(self, toml_text: str) -> None: ...
+    def reset_metrics(self) -> None: ...
+    def append_metrics(self, row: dict) -> None: ...
+    def write_summary(self, summary: dict) -> None: ...
+    def discard(self) -> None: ...
+
+    def save_weights(self, state_dict: dict, name: str = "model.pt") -> Path:
+        return self.folder / name

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedrun.data.augment_extra import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS,
-                                         color_jitter, lighting, mix_batch, mixed_loss,
-                                         mixed_targets, random_resized_crop, sample_jitter,
-                                         sample_lighting, sample_rrc_boxes)
+from speedrun.data.colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS, color_jitter, lighting,
+                                  sample_jitter, sample_lighting)
+from speedrun.data.mixing import mix_batch, mixed_loss, mixed_targets
+from speedrun.data.resized_crop import random_resized_crop, sample_rrc_boxes
 
 MEAN3, STD3 = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
 MEAN1, STD1 = torch.tensor([0.29]), torch.tensor([0.35])

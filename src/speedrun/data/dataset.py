@@ -21,7 +21,7 @@ from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from .arrays import load_npz
 from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
-from .sources import SPECS, ArrayDataset, load_dataset
+from .builtin import SPECS, ArrayDataset, load_dataset
 from .resident import ResidentData
 from .stream import StreamedData, sample_stats
 
@@ -63,7 +63,8 @@ class FolderSource:
         return self.val.labels
 
 
-def round_to_multiple(x: float, k: int = 8) -> int:
+def nearest_multiple(x: float, k: int = 8) -> int:
+    """The multiple of ``k`` nearest to ``x``, at least ``k`` (image sizes)."""
     return max(k, int(round(x / k)) * k)
 
 
@@ -72,7 +73,7 @@ def resolve_from_data(recipe: Recipe, median_side: int | None) -> Recipe:
     overrides = []
     size = recipe.data.image_size
     if recipe.data.dataset == "folder" and not size:
-        size = min(224, round_to_multiple(median_side))
+        size = min(224, nearest_multiple(median_side))
         overrides.append(f"data.image_size={size}")
     if recipe.data.dataset == "folder" and not recipe.data.eval_crop:
         overrides.append(f"data.eval_crop={1.0 if size <= 64 else 0.875}")
@@ -121,10 +122,11 @@ def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | F
     raise DataError(f"unknown dataset {d.dataset!r}")
 
 
-def open_pipeline(source, recipe: Recipe, runtime, seed: int):
-    """The pipeline that feeds ``source`` to the engine for one run (first touch of the data)."""
+def open_pipeline(source, recipe: Recipe, runtime, seed: int, shard: tuple[int, int] = (0, 1)):
+    """The pipeline that feeds ``source`` to the engine for one run (the first touch of the
+    data): streamed for an image folder, device-resident for arrays. ``shard`` = (rank, world
+    size): this process's share of every training and evaluation batch."""
     if isinstance(source, FolderSource):
-        return StreamedData(source.train, source.val, source.channels, source.size, recipe.data, recipe.augment,
-                            runtime, seed, source.mean, source.std, recipe.data.batch_size, recipe.eval.batch_size)
+        return StreamedData(source, recipe, runtime, seed, shard)
     translate = recipe.augment.translate if recipe.augment.crop == "translate" else 0
-    return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate)
+    return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate, shard)

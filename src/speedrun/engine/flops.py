@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..engine.evaluate import TTA_VIEWS
+from .evaluate import TTA_VIEWS
 from ..models import build_model
 from ..recipe import Recipe
 

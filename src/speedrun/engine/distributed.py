@@ -1,0 +1,251 @@
+"""Data-parallel training on PyTorch's own engine: torch.distributed with the processes that
+torchrun (or SLURM's srun) starts, gloo on CPUs and NCCL on GPUs.
+
+Every process builds the same model from the same seed (no broadcast: a checksum compared
+across ranks at the start proves it), trains on its own slice of every global batch, and
+DistributedDataParallel averages the gradients, overlapped with the backward pass in
+buckets of ``distributed.bucket_mb``. Only rank 0 prints and writes; evaluation is split
+across ranks and the counts summed, so accuracy is over the whole test set exactly once.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import DistributedError, RecipeError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job (one process, or one of ``size``)."""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    nodes: int = 1
+    launcher: str = "single"              # "torchrun" (or any launcher setting RANK/WORLD_SIZE), "slurm"
+    restart: int = 0                      # torchrun's restart count (--max-restarts)
+    job_id: str | None = None             # torchrun's run id or SLURM's job id
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.rank, self.size
+
+    def describe(self) -> dict:
+        return {"world_size": self.size, "nodes": self.nodes, "processes_per_node": self.local_size,
+                "launcher": self.launcher}
+
+
+def _int(env, *names, default=None):
+    for n in names:
+        if env.get(n, "").strip().lstrip("-").isdigit():
+            return int(env[n])
+    return default
+
+
+def _tasks_per_node(text: str | None) -> int | None:
+    """SLURM's task count per node, e.g. '2', '2(x3)' or '4,2': the first node's."""
+    m = re.match(r"\s*(\d+)", text or "")
+    return int(m.group(1)) if m else None
+
+
+def detect(env=None) -> World:
+    """The world from the environment the launcher set: torchrun's (RANK, WORLD_SIZE,
+    LOCAL_RANK, ...) or srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...); else one
+    process. torchrun inside an srun allocation sets its own variables, which win."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = _int(env, "WORLD_SIZE", default=1)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", default=size)
+        return World(rank=_int(env, "RANK", default=0), size=size, local_rank=_int(env, "LOCAL_RANK", default=0),
+                     local_size=local_size, nodes=_int(env, "GROUP_WORLD_SIZE", default=max(1, size // local_size)),
+                     launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env else "env",
+                     restart=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
+                     job_id=env.get("TORCHELASTIC_RUN_ID"))
+    if _int(env, "SLURM_NTASKS", "SLURM_NPROCS", default=1) > 1 and "SLURM_PROCID" in env:
+        size = _int(env, "SLURM_NTASKS", "SLURM_NPROCS")
+        return World(rank=_int(env, "SLURM_PROCID"), size=size, local_rank=_int(env, "SLURM_LOCALID", default=0),
+                     local_size=_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"))
+                     or size, nodes=_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1),
+                     launcher="slurm", job_id=env.get("SLURM_JOB_ID"))
+    return World()
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ('node[07-09,12],gpu3' -> 'node07'), by `scontrol
+    show hostnames` where it exists, else by reading the list's own syntax."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    m = re.match(r"([^\[]*)\[([^\]]+)\]", first)
+    if not m:
+        return first
+    lo = m.group(2).split(",")[0].split("-")[0]
+    return m.group(1) + lo
+
+
+def rendezvous_from_slurm(env=None) -> None:
+    """srun starts the processes but no rendezvous: rank 0's host (the first of the job's
+    nodes) and a port derived from the job id, unless MASTER_ADDR / MASTER_PORT are set."""
+    env = os.environ if env is None else env
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        env["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 10000)
+
+
+def backend_for(choice: str, device: torch.device) -> str:
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice == "nccl" and device.type != "cuda":
+        raise RecipeError("distributed.backend='nccl' needs CUDA devices; on CPUs use 'gloo' (or 'auto')")
+    return choice
+
+
+def start(world: World, device: torch.device, backend: str, timeout_s: float) -> None:
+    """Join the job's process group (a no-op for one process)."""
+    if not world.distributed or dist.is_initialized():
+        return
+    if world.launcher == "slurm":
+        rendezvous_from_slurm()
+    try:
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError) as err:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise DistributedError(f"rank {world.rank} of {world.size} could not join the job at {where} "
+                               f"({str(err).splitlines()[0][:300]}); check that every process was started with "
+                               "the same rendezvous address and port and can reach rank 0's host") from None
+
+
+def stop() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def bind_device(world: World, requested: torch.device) -> torch.device:
+    """Each process uses the GPU of its local rank."""
+    if requested.type != "cuda" or not world.distributed:
+        return requested
+    if world.local_rank >= torch.cuda.device_count():
+        raise DistributedError(f"rank {world.rank} has local rank {world.local_rank}, but this node has "
+                               f"{torch.cuda.device_count()} GPUs; start at most one process per GPU")
+    torch.cuda.set_device(world.local_rank)
+    return torch.device("cuda", world.local_rank)
+
+
+# ------------------------------------------------------------------------------------------
+# Collectives the loop uses (each a no-op in one process)
+# ------------------------------------------------------------------------------------------
+
+def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
+    if world.distributed:
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather_tensor(t: torch.Tensor, world: World) -> list[torch.Tensor]:
+    if not world.distributed:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(world.size)]
+    dist.all_gather(out, t)
+    return out
+
+
+def broadcast_object(obj, world: World):
+    """Rank 0's ``obj`` on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_same_start(model: nn.Module, world: World, device: torch.device) -> None:
+    """Every rank must start from the same weights (built from the same seed; nothing is
+    broadcast). Compares a checksum of every tensor across ranks and names the ranks that
+    differ from rank 0."""
+    if not world.distributed:
+        return
+    state = [t for t in model.state_dict().values() if t.is_floating_point()]
+    weights = torch.arange(1, 1 + sum(t.numel() for t in state), dtype=torch.float64, device=device)
+    flat = torch.cat([t.detach().double().flatten() for t in state])
+    mine = torch.stack([flat.sum(), (flat * weights).sum() / weights.numel()])
+    gathered = all_gather_tensor(mine, world)
+    bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if bad:
+        raise DistributedError(f"ranks {bad} start from other weights than rank 0 (their parameter checksums "
+                               "differ): every rank must build the model from the same recipe and seed "
+                               "(train.seed / --seed); was one started with other arguments?")
+
+
+def wrap(model: nn.Module, cfg, world: World, device: torch.device) -> nn.Module:
+    """DistributedDataParallel: gradients averaged in buckets of ``cfg.bucket_mb`` while the
+    backward pass runs; no broadcast at construction (the start was checked identical) and none
+    of buffers per step (batch-norm statistics are averaged before each evaluation); optionally
+    bf16 or fp16 gradients on the wire."""
+    if not world.distributed:
+        return model
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_mb,
+        broadcast_buffers=False, init_sync=False, gradient_as_bucket_view=True)
+    if cfg.compression != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hook = default_hooks.bf16_compress_hook if cfg.compression == "bf16" else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def no_sync(module: nn.Module):
+    """A context in which backward passes accumulate gradients without all-reducing them
+    (every micro-batch but the last of a step)."""
+    inner = getattr(module, "_orig_mod", module)            # a compiled DDP module
+    return inner.no_sync() if isinstance(inner, nn.parallel.DistributedDataParallel) else nullcontext()
+
+
+def norm_group(sync_ranks: int, world: World):
+    """The process group batch norm is computed over: None for each rank on its own (1), the
+    whole job (0), or consecutive groups of ``sync_ranks`` ranks. Every rank calls this."""
+    if not world.distributed or sync_ranks == 1:
+        return None
+    if sync_ranks == 0 or sync_ranks >= world.size:
+        return dist.group.WORLD
+    if world.size % sync_ranks:
+        raise RecipeError(f"model.norm.sync_ranks={sync_ranks} must divide the number of processes ({world.size})")
+    group, _ = dist.new_subgroups(group_size=sync_ranks)
+    return group
+
+
+def average_norm_statistics(model: nn.Module, world: World) -> None:
+    """Make every rank's batch-norm running statistics the mean over ranks (each rank's own
+    batches moved them), so evaluation on any rank uses the same model."""
+    if not world.distributed:
+        return
+    stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             for b in (m.running_mean, m.running_var) if b is not None]
+    if stats:
+        flat = torch.cat([b.flatten() for b in stats])
+        dist.all_reduce(flat)
+        flat /= world.size
+        torch._foreach_copy_(stats, list(flat.split([b.numel() for b in stats])))
