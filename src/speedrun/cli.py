@@ -78,6 +78,43 @@ def _recipe_options(p, out_help: str, optional: bool = False, log: bool = True) 
         p.add_argument("--log-every", metavar="N|Ns", help=LOG_HELP)
 
 
+def _scale_options(p) -> None:
+    from .bench.scale import ALGORITHMS, COMM_BYTES, KNOWN_PARAMS, NETWORKS
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", metavar="NAME", help=f"a known model ({', '.join(KNOWN_PARAMS)}; default resnet50)")
+    what.add_argument("--recipe", help="a shipped recipe or .toml: its model is built on the meta device and "
+                      "its parameters counted")
+    what.add_argument("--params", type=int, metavar="N", help="the number of parameters (gradient elements)")
+    p.add_argument("--classes", type=int, metavar="N",
+                   help="classes of a --recipe model on folder/npz data (default 1000)")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--images-per-second", type=float, metavar="X", help="one GPU's training images per second")
+    speed.add_argument("--step-time", type=float, metavar="S", help="one GPU's seconds per step at --batch-per-gpu "
+                       "(strong scaling without it: at the whole --global-batch)")
+    p.add_argument("--batch-per-gpu", type=int, metavar="B", help="images per GPU per step (default: the recipe's)")
+    p.add_argument("--global-batch", type=int, metavar="N", help="strong scaling: split this batch over the GPUs "
+                   "(default: weak scaling, --batch-per-gpu on every GPU)")
+    p.add_argument("--comm-dtype", choices=list(COMM_BYTES), default="fp32",
+                   help="element type of the all-reduced gradients (default fp32)")
+    p.add_argument("--network", metavar="PRESET", help=f"{', '.join(NETWORKS)} (default dgx-a100)")
+    p.add_argument("--bandwidth-gbps", type=float, metavar="GBPS",
+                   help="per node between nodes, Gb/s, all adapters together")
+    p.add_argument("--intra-bandwidth-gbps", type=float, metavar="GBPS", help="per GPU inside a node (NVLink), Gb/s")
+    p.add_argument("--latency-us", type=float, metavar="US", help="per message step between nodes, microseconds")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs in one node (default: the preset's)")
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="hierarchical",
+                   help="all-reduce algorithm (default hierarchical: reduce in the node, ring across nodes)")
+    p.add_argument("--overlap", type=float, default=0.0, metavar="F",
+                   help="fraction of the backward pass that can hide the all-reduce, 0 to 1 (default 0)")
+    p.add_argument("--overhead-ms", type=float, default=0.0, metavar="MS",
+                   help="fixed time added to every step (default 0)")
+    p.add_argument("--gpus", metavar="N,N,...", help="GPU counts (default 1,2,4,...,4096)")
+    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency curves to this PNG")
+    p.add_argument("--json", metavar="FILE", help="also write the numbers to this JSON file")
+    p.add_argument("--calibration", action="store_true",
+                   help="print the model against published ResNet-50 runs (see docs/scaling.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speedrun", description="Train image classifiers to a target "
                                      "accuracy in the least time, and measure it honestly.")
@@ -117,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_options(p, "", log=False)
     p.add_argument("--steps", type=_positive_int, default=10, help="training steps to time for the data/model split")
     p.add_argument("--json", help="also write the figures to this JSON file")
+
+    _scale_options(sub.add_parser("scale", help="predict step time, throughput and scaling efficiency on 1 to "
+                                  "4,096 GPUs from one GPU's speed, the gradient size and the network (a model)"))
 
     p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
     p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
@@ -205,6 +245,9 @@ def dispatch(args) -> int:
         return recipes_command(args)
     if args.command == "data":
         return data_command(args)
+    if args.command == "scale":
+        from .bench.scale_command import scale_command
+        return scale_command(args)
     from .bench import commands
     return getattr(commands, f"{args.command}_command")(args)
 

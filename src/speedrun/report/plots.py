@@ -86,3 +86,24 @@ def ablation_chart(rows: list[dict], target: float) -> bytes:
     ax1.invert_yaxis()
     fig.suptitle(f"ablation (target {target:.2%})")
     return _png(fig)
+
+
+def scaling_curves(rows: list[dict], title: str) -> bytes:
+    """Predicted throughput (against perfect scaling) and scaling efficiency per GPU count."""
+    gpus = [r["gpus"] for r in rows]
+    rate = [r["images_per_s"] for r in rows]
+    one_gpu = rows[0]["images_per_s"] / (rows[0]["gpus"] * rows[0]["efficiency"])
+    ideal = [one_gpu * g for g in gpus]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.loglog(gpus, ideal, color="0.6", ls="--", label="perfect scaling")
+    ax1.loglog(gpus, rate, color="C0", marker="o", ms=3, label="predicted")
+    ax1.set(xlabel="GPUs", ylabel="images/s", title="throughput")
+    ax1.legend()
+    ax2.semilogx(gpus, [100 * r["efficiency"] for r in rows], color="C1", marker="o", ms=3)
+    ax2.set(xlabel="GPUs", ylabel="efficiency (%)", title="scaling efficiency", ylim=(0, 105))
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    return _png(fig)
