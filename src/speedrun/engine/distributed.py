@@ -145,14 +145,17 @@ def stop() -> None:
 
 
 def bind_device(world: World, requested: torch.device) -> torch.device:
-    """Each process uses the GPU of its local rank."""
+    """Each process uses the GPU of its local rank; a process srun started that sees one GPU
+    only uses that one (`srun --gpus-per-task=1` shows each task just its own GPU)."""
     if requested.type != "cuda" or not world.distributed:
         return requested
-    if world.local_rank >= torch.cuda.device_count():
+    count = torch.cuda.device_count()
+    index = 0 if world.launcher == "slurm" and count == 1 else world.local_rank
+    if index >= count:
         raise DistributedError(f"rank {world.rank} has local rank {world.local_rank}, but this node has "
-                               f"{torch.cuda.device_count()} GPUs; start at most one process per GPU")
-    torch.cuda.set_device(world.local_rank)
-    return torch.device("cuda", world.local_rank)
+                               f"{count} GPUs; start at most one process per GPU")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # ------------------------------------------------------------------------------------------
