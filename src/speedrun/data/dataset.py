@@ -23,6 +23,7 @@ from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
 from .builtin import SPECS, ArrayDataset, load_dataset
 from .resident import ResidentData
+from .shard import Shard
 from .stream import StreamedData, sample_stats
 
 
@@ -122,10 +123,9 @@ def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | F
     raise DataError(f"unknown dataset {d.dataset!r}")
 
 
-def open_pipeline(source, recipe: Recipe, runtime, seed: int, shard: tuple[int, int] = (0, 1)):
+def open_pipeline(source, recipe: Recipe, runtime, seed: int, shard: Shard = Shard()):
     """The pipeline that feeds ``source`` to the engine for one run (the first touch of the
-    data): streamed for an image folder, device-resident for arrays. ``shard`` = (rank, world
-    size): this process's share of every training and evaluation batch."""
+    data): streamed for an image folder, device-resident for arrays. ``shard``: this process's share of every training and evaluation batch."""
     if isinstance(source, FolderSource):
         return StreamedData(source, recipe, runtime, seed, shard)
     translate = recipe.augment.translate if recipe.augment.crop == "translate" else 0

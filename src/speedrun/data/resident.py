@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .augment import BatchAugment, reflect_pad
 from .builtin import ArrayDataset
-from .stream import shard_slice
+from .shard import Shard
 
 STATS_CHUNK = 4096
 """Images per chunk when summing channel statistics (bounds the float temporaries)."""
@@ -48,8 +48,8 @@ class ResidentData:
     crops_in_workers = False              # random-resized crops are cut here, on the device
 
     def __init__(self, ds: ArrayDataset, device: torch.device, dtype: torch.dtype,
-                 memory_format: torch.memory_format, translate: int = 0, shard: tuple[int, int] = (0, 1)):
-        """``shard`` = (rank, world size): batches are this rank's slice of each global batch
+                 memory_format: torch.memory_format, translate: int = 0, shard: Shard = Shard()):
+        """``shard``: batches are this rank's share of each global batch
         (every rank holds the whole set and draws the same permutation from the seed)."""
         self.train = ds.train_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.test = ds.test_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
@@ -86,7 +86,9 @@ class ResidentData:
         resized to ``size`` for progressive resizing, starting after ``skip`` batches."""
         perm = torch.randperm(self.n_train, generator=generator, device=self.device)
         draws = augment.draw(epoch)
-        mine = shard_slice(batch_size, *self.shard)
+        mine = self.shard.train_positions(batch_size)
+        if not isinstance(mine, slice):
+            mine = torch.as_tensor(mine, device=self.device)
         for i in range(skip, self.n_train // batch_size):
             idx = perm[i * batch_size:(i + 1) * batch_size][mine]
             x = reflect_pad(self.normalise(self.train[idx]), self.translate)
@@ -99,7 +101,7 @@ class ResidentData:
         """The test set in batches of ``batch_size`` (this rank's slice of each)."""
         for i in range(0, self.n_test, batch_size):
             n = min(batch_size, self.n_test - i)
-            mine = shard_slice(n, *self.shard)
+            mine = self.shard.eval_slice(n)
             part = slice(i + mine.start, i + mine.stop)
             x = self.normalise(self.test[part])
             yield x.contiguous(memory_format=self.memory_format), self.test_y[part]

@@ -27,6 +27,7 @@ from ..errors import DataError
 from .augment import reflect_pad
 from .resized_crop import RRC_TRIES, centre_fallback
 from .folder import ImageList, decode, read_bytes
+from .shard import Shard
 
 
 def default_workers(requested: int) -> int:
@@ -164,11 +165,11 @@ def collate(items):
 class EpochSampler(Sampler):
     """Batches of (index, size, epoch): a seeded permutation per epoch for training (last
     partial batch dropped), the natural order for evaluation; ``skip`` leaves out batches
-    already trained on before a resume. With a ``shard`` (rank, world size) each batch is this
-    rank's slice of the global batch (training) or of the evaluation set's batch, so the ranks
+    already trained on before a resume. With a ``shard`` each batch is this rank's share of the
+    global batch (training) or of the evaluation set's batch, so the ranks
     together see exactly what one process would."""
 
-    def __init__(self, n: int, batch_size: int, seed: int, train: bool, size: int, shard: tuple[int, int] = (0, 1)):
+    def __init__(self, n: int, batch_size: int, seed: int, train: bool, size: int, shard: Shard = Shard()):
         self.n, self.batch_size, self.seed, self.train, self.shard = n, batch_size, seed, train, shard
         self.epoch, self.size, self.skip = 0, size, 0
 
@@ -180,19 +181,10 @@ class EpochSampler(Sampler):
 
     def __iter__(self):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(self.n) if self.train else np.arange(self.n)
-        rank, world = self.shard
         for b in range(self.skip, len(self)):
             batch = order[b * self.batch_size:(b + 1) * self.batch_size]
-            mine = shard_slice(len(batch), rank, world)
+            mine = self.shard.train_positions(len(batch)) if self.train else self.shard.eval_slice(len(batch))
             yield [(int(i), self.size, self.epoch) for i in batch[mine]]
-
-
-def shard_slice(n: int, rank: int, world: int) -> slice:
-    """Rank ``rank``'s contiguous share of ``n`` items split over ``world`` ranks (the first
-    ``n % world`` ranks take one more)."""
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
 
 
 def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: int = 1000,

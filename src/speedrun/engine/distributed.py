@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..errors import DistributedError, RecipeError
 
@@ -42,10 +43,6 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def shard(self) -> tuple[int, int]:
-        return self.rank, self.size
 
     def describe(self) -> dict:
         return {"world_size": self.size, "nodes": self.nodes, "processes_per_node": self.local_size,
@@ -129,7 +126,7 @@ def start(world: World, device: torch.device, backend: str, timeout_s: float) ->
     if world.launcher == "slurm":
         rendezvous_from_slurm()
     try:
-        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size, store=_fresh_store(world, timeout_s),
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError) as err:
@@ -137,6 +134,21 @@ def start(world: World, device: torch.device, backend: str, timeout_s: float) ->
         raise DistributedError(f"rank {world.rank} of {world.size} could not join the job at {where} "
                                f"({str(err).splitlines()[0][:300]}); check that every process was started with "
                                "the same rendezvous address and port and can reach rank 0's host") from None
+
+
+def _fresh_store(world: World, timeout_s: float):
+    """The rendezvous store for this start of the job. torchrun keeps one store for all of a
+    job's restarts, so after ``--max-restarts`` the new processes may read the addresses the
+    dead ones published and hang or be refused (seen in about half of the restarts here).
+    Each rank counts its starts in the store and every start of the job gets its own prefix
+    (all ranks start once per attempt, since torchrun restarts them all). None: the usual
+    environment rendezvous (no torchrun agent store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    start_number = store.add(f"speedrun/starts/rank-{world.rank}", 1)
+    return dist.PrefixStore(f"speedrun/start-{start_number}", store)
 
 
 def stop() -> None:
@@ -212,12 +224,30 @@ def wrap(model: nn.Module, cfg, world: World, device: torch.device) -> nn.Module
         return model
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_mb,
-        broadcast_buffers=False, init_sync=False, gradient_as_bucket_view=True)
+        forward_sync_buffers=False, init_sync=False, gradient_as_bucket_view=True)
     if cfg.compression != "none":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        hook = default_hooks.bf16_compress_hook if cfg.compression == "bf16" else default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, compression_hook(cfg.compression, dist.get_backend()))
     return ddp
+
+
+def compression_hook(dtype_name: str, backend: str):
+    """A DDP communication hook that all-reduces each gradient bucket in bf16 or fp16 (half the
+    bytes on the wire) and writes the mean back in the gradients' own precision: torch's own
+    hooks, except bf16 on gloo, which torch's hook refuses (it asks for NCCL)."""
+    if dtype_name == "fp16":
+        return default_hooks.fp16_compress_hook
+    if backend == "nccl":
+        return default_hooks.bf16_compress_hook
+
+    def bf16_on_gloo(group, bucket):
+        group = group or dist.group.WORLD
+        grads = bucket.buffer()
+        low = grads.to(torch.bfloat16).div_(group.size())
+
+        def write_back(fut):
+            return grads.copy_(fut.value()[0])
+        return dist.all_reduce(low, group=group, async_op=True).get_future().then(write_back)
+    return bf16_on_gloo
 
 
 def no_sync(module: nn.Module):

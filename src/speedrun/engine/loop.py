@@ -25,6 +25,7 @@ import torch
 
 from ..data.augment import BatchAugment
 from ..data.dataset import open_pipeline, nearest_multiple
+from ..data.shard import Shard
 from ..errors import DataError, RecipeError
 from ..models import build_model
 from ..optim import build_averager, build_optimizer, lr_multipliers, momenta, set_step_hyperparams
@@ -183,17 +184,19 @@ def first_bad_step(losses: list[float], loss_scaling: bool, run_before: int = 0)
 
 
 def local_batch(recipe: Recipe, world: World) -> int:
-    """This process's share of the global batch (``data.batch_size`` is over all processes)."""
+    """This process's share of the global batch (``data.batch_size`` is over all processes):
+    its share of each of the ``train.accumulate`` micro-batches the batch is cut into."""
     b, k = recipe.data.batch_size, recipe.train.accumulate
-    if b % world.size:
-        raise RecipeError(f"data.batch_size={b} does not split evenly over {world.size} processes; use a multiple "
-                          f"of {world.size} (or data.per_device_batch)")
-    local = b // world.size
+    micro = b // k
+    if micro % world.size:
+        what = f"data.batch_size={b}" + (f" / train.accumulate={k} = {micro} images per micro-batch" if k > 1 else "")
+        raise RecipeError(f"{what} does not split evenly over {world.size} processes; use a multiple of "
+                          f"{world.size * k} (or data.per_device_batch)")
     ghost = recipe.model.norm.ghost_batch
-    if local % k or (ghost and (local // k) % ghost):
-        raise RecipeError(f"each of the {world.size} processes trains on {local} images per step, which "
-                          f"train.accumulate={k} and model.norm.ghost_batch={ghost} must divide")
-    return local
+    if ghost and (micro // world.size) % ghost:
+        raise RecipeError(f"each of the {world.size} processes normalises micro-batches of {micro // world.size} "
+                          f"images, which model.norm.ghost_batch={ghost} must divide")
+    return b // world.size
 
 
 def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
@@ -220,6 +223,7 @@ class Session:
             self.recipe = recipe = fit_batch(recipe, self.model, self.forward, runtime, source.in_channels,
                                              source.image_size[0], source.num_classes, say)
         self.local_batch = local_batch(recipe, world)
+        self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -310,7 +314,7 @@ class Session:
 
         clock = Clock(rt)
         # --- first touch of the training data: move, measure, whiten --------------------
-        data = open_pipeline(self.source, r, rt, seed, self.world.shard)
+        data = open_pipeline(self.source, r, rt, seed, self.shard)
         whiten = getattr(model, "whiten", None)
         if whiten is not None and resume is None:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))

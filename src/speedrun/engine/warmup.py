@@ -18,7 +18,7 @@ import torch
 
 from ..data.augment import BatchAugment, reflect_pad
 from ..data.resident import resize
-from ..data.stream import shard_slice
+from ..data.shard import Shard
 from .distributed import no_sync
 from ..optim import build_averager, build_optimizer, set_step_hyperparams
 from .evaluate import evaluate
@@ -28,11 +28,10 @@ TRAIN_CALLS = 3
 """Training steps per image size (CUDA graphs record on the second or third call)."""
 
 
-def eval_batch_sizes(n_test: int, batch: int, shard: tuple[int, int] = (0, 1)) -> list[int]:
+def eval_batch_sizes(n_test: int, batch: int, shard: Shard = Shard()) -> list[int]:
     """The batch sizes this rank evaluates when a test set of ``n_test`` is cut into batches of
     ``batch`` (evaluating them also runs the subsets that partial TTA re-evaluates)."""
-    size = lambda n: (lambda sl: sl.stop - sl.start)(shard_slice(n, *shard))
-    return sorted({size(min(batch, n_test)), size(n_test % batch)} - {0})
+    return sorted({shard.eval_size(min(batch, n_test)), shard.eval_size(n_test % batch)} - {0})
 
 
 def warm_up(session) -> float:
@@ -75,7 +74,7 @@ def warm_up(session) -> float:
     model.zero_grad(set_to_none=True)
 
     n_test = len(src.test_y)
-    for n in eval_batch_sizes(n_test, r.eval.batch_size, session.world.shard):
+    for n in eval_batch_sizes(n_test, r.eval.batch_size, session.shard):
         x = randn(n, c, full, full).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
         for _ in range(2):

@@ -1,0 +1,286 @@
+"""Data-parallel training with real processes: torchrun and gloo on this CPU, two hosts in
+network namespaces, a worker killed mid-run, a rank started with another seed."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedrun.data.shard import Shard
+
+SMALL = ["--set", "data.dataset=npz", "--set", "model.widths=[8,16,16]", "--set", "eval.tta=flip",
+         "--device", "cpu"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return out
+
+
+def torchrun_cmd(*args, nproc: int = 2, launcher=()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *(launcher or ["--standalone"]),
+            "--nproc-per-node", str(nproc), "-m", "speedrun", "train", *map(str, args)]
+
+
+def run(cmd, timeout=300, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, **kw)
+
+
+def single(*args, timeout=300):
+    return run([sys.executable, "-m", "speedrun", "train", *map(str, args)], timeout)
+
+
+def weights(folder: Path) -> dict:
+    return {k: v for k, v in torch.load(folder / "model.pt", weights_only=True).items() if v.is_floating_point()}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    fa, fb = (torch.cat([d[k].double().flatten() for k in sorted(a)]) for d in (a, b))
+    return float((fa - fb).norm() / fa.norm())
+
+
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+def ok(proc) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}"
+    return proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# sharding (no processes needed)
+# ------------------------------------------------------------------------------------------
+
+def test_ranks_share_every_micro_batch_so_together_they_see_what_one_process_sees():
+    for world, micro, batch in [(2, 1, 256), (4, 2, 64), (3, 1, 10), (2, 4, 32)]:
+        shares = [Shard(r, world, micro).train_positions(batch) for r in range(world)]
+        flat = [list(range(batch)[s]) if isinstance(s, slice) else list(s) for s in shares]
+        assert sorted(sum(flat, [])) == list(range(batch))              # disjoint, complete
+        if micro > 1:     # rank r's j-th micro-batch lies inside the global j-th micro-batch
+            m = batch // micro
+            for pos in flat:
+                per = len(pos) // micro
+                assert all(j * m <= p < (j + 1) * m for j in range(micro) for p in pos[j * per:(j + 1) * per])
+    assert Shard(0, 1, 4).train_positions(32) == slice(0, 32)
+
+
+# ------------------------------------------------------------------------------------------
+# acceptance 1: two processes train what one process trains
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory, fashion_small):
+    """One process and two (torchrun, gloo) at the same global batch, batch norm synchronised
+    across the processes, with gradient accumulation (no_sync on the first micro-batch)."""
+    root = tmp_path_factory.mktemp("ddp")
+    common = ["fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=256",
+              "--set", "train.epochs=2", "--set", "train.accumulate=2", "--set", "model.norm.sync_ranks=0"]
+    ok(single(*common, "--out", root / "one"))
+    two = run(torchrun_cmd(*common, "--out", root / "two"))
+    ok(two)
+    local = run(torchrun_cmd(*common[:-2], "--set", "model.norm.sync_ranks=1", "--out", root / "local"))
+    ok(local)
+    return root, two, common
+
+
+def test_two_processes_train_the_same_weights_as_one(one_and_two):
+    root, _, _ = one_and_two
+    one, two = summary(root / "one"), summary(root / "two")
+    assert one["steps"] == two["steps"] == 8 and one["batch_size"] == two["batch_size"] == 256
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert (one["per_rank_batch"], two["per_rank_batch"]) == (256, 128)
+    diff = relative_difference(weights(root / "one"), weights(root / "two"))
+    assert diff < 1e-5, diff
+    # every test image counted exactly once, on both ranks' shares together
+    assert one["test_acc"] == pytest.approx(two["test_acc"], abs=1 / 256 + 1e-9)
+
+
+def test_the_comparison_can_fail_batch_norm_per_process_trains_other_weights(one_and_two):
+    root, _, _ = one_and_two
+    assert summary(root / "local")["norm_sync_ranks"] == 1
+    assert relative_difference(weights(root / "one"), weights(root / "local")) > 1e-3
+
+
+def test_only_rank_0_prints_and_the_record_names_the_job(one_and_two):
+    root, two, _ = one_and_two
+    s = summary(root / "two")
+    assert (s["launcher"], s["backend"], s["nodes"], s["processes_per_node"]) == ("torchrun", "gloo", 1, 2)
+    assert s["bucket_mb"] == 25.0 and s["compression"] == "none" and s["norm_sync_ranks"] == 0
+    assert two.stdout.count("test accuracy") == 1 and two.stdout.count("epoch 2/2 done") == 1
+    assert "2 (128 images each per step, 1 node)" in two.stdout
+    assert sorted(p.name for p in (root / "two").iterdir()) == ["config.toml", "metrics.jsonl", "model.pt",
+                                                                 "summary.json"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_compressed_gradients_train_nearly_the_same_weights(one_and_two, precision):
+    """bf16/fp16 all-reduce (a DDP communication hook; small buckets, so several per step):
+    not bit-identical to fp32 all-reduce, but close."""
+    root, _, common = one_and_two
+    out = root / f"two-{precision}"
+    ok(run(torchrun_cmd(*common, "--set", f"distributed.compression={precision}", "--set",
+                        "distributed.bucket_mb=0.01", "--out", out)))
+    s = summary(out)
+    assert s["compression"] == precision and s["bucket_mb"] == 0.01
+    diff = relative_difference(weights(root / "two"), weights(out))
+    assert 1e-7 < diff < (2e-2 if precision == "bf16" else 2e-3), diff
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fashion_small):
+    odd = run(torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "train.epochs=1",
+                           "--set", "data.batch_size=255", "--out", tmp_path / "odd"))
+    assert odd.returncode != 0
+    ours = [line for line in odd.stderr.splitlines() if line.startswith("speedrun: ")]
+    assert len(ours) == 2 and all("data.batch_size=255 does not split evenly over 2 processes" in x for x in ours)
+    # the one traceback is torchrun's own report of the failed workers, not ours
+    assert odd.stderr.count("Traceback") == 1 and "ChildFailedError" in odd.stderr
+    assert not (tmp_path / "odd").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# acceptance 2: two hosts (network namespaces joined by a veth pair)
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces, 10.231.0.1 and 10.231.0.2, joined by a veth pair (needs root);
+    removed afterwards."""
+    tag = f"sr{os.getpid() % 100000}"
+    hosts = (f"{tag}a", f"{tag}b")
+    sh = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True, text=True)
+    try:
+        for h in hosts:
+            sh("netns", "add", h)
+        sh("link", "add", f"{tag}-0", "type", "veth", "peer", "name", f"{tag}-1")
+        for i, h in enumerate(hosts):
+            sh("link", "set", f"{tag}-{i}", "netns", h)
+            sh("-n", h, "addr", "add", f"10.231.0.{i + 1}/24", "dev", f"{tag}-{i}")
+            sh("-n", h, "link", "set", f"{tag}-{i}", "up")
+            sh("-n", h, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for h in hosts:
+            subprocess.run(["ip", "netns", "del", h], capture_output=True)
+
+
+def test_two_torchrun_agents_on_two_hosts_form_one_job(two_hosts, tmp_path, fashion_small):
+    out = tmp_path / "two-hosts"
+    agents = []
+    for node, host in enumerate(two_hosts):
+        launcher = ["--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "10.231.0.1:29400", "--rdzv-id", "two-hosts", "--local-addr",
+                    f"10.231.0.{node + 1}", "--rdzv-conf", f"is_host={int(node == 0)}"]
+        cmd = ["ip", "netns", "exec", host, *torchrun_cmd(
+            "fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=256",
+            "--set", "train.epochs=1", "--out", out, nproc=1, launcher=launcher)]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(
+            GLOO_SOCKET_IFNAME=f"{two_hosts[0][:-1]}-{node}")))
+    results = [a.communicate(timeout=240) for a in agents]
+    for a, (o, e) in zip(agents, results):
+        assert a.returncode == 0, f"{o[-2000:]}\n{e[-4000:]}"
+    s = summary(out)
+    assert (s["world_size"], s["nodes"], s["processes_per_node"], s["per_rank_batch"]) == (2, 2, 1, 128)
+    assert s["launcher"] == "torchrun" and s["steps"] == 4
+    printed = [o.count("test accuracy") for o, _ in results]
+    assert sorted(printed) == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------
+# acceptance 4: a worker dies mid-run
+# ------------------------------------------------------------------------------------------
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the speedrun processes below a torchrun agent."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != agent_pid:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(proc.name)
+    return found
+
+
+def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int):
+    """Start a 2-process job that checkpoints every 4 steps; once the first checkpoint is
+    written, SIGKILL rank 1. Returns (agent, stdout, stderr, seconds from the kill to the end)."""
+    out = tmp_path / "run"
+    cmd = torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=64",
+                       "--set", "train.epochs=6", "--set", "checkpoint.every_steps=4",
+                       "--set", "distributed.timeout_s=30", "--out", out,
+                       launcher=["--standalone", "--max-restarts", str(restarts), "--monitor-interval", "0.2"])
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoint.pt").exists():
+        assert agent.poll() is None, agent.communicate()
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.02)
+    pids = worker_pids(agent.pid)
+    assert set(pids) == {0, 1}, pids
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    o, e = agent.communicate(timeout=240)
+    return agent, out, o, e, time.monotonic() - killed
+
+
+def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_checkpoint(tmp_path, fashion_small):
+    agent, out, o, e, _ = start_and_kill_rank_1(tmp_path, fashion_small, restarts=1)
+    assert agent.returncode == 0, f"{o[-2000:]}\n{e[-4000:]}"
+    s = summary(out)
+    assert s["steps"] == 96 and s["world_size"] == 2
+    assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < 96
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+
+def test_without_restarts_a_killed_worker_ends_the_job_naming_its_rank(tmp_path, fashion_small):
+    agent, out, o, e, seconds = start_and_kill_rank_1(tmp_path, fashion_small, restarts=0)
+    assert agent.returncode != 0 and seconds < 60
+    assert re.search(r"rank\s*:?\s*1\b", e), e[-3000:]                 # torchrun's failure report
+    assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# acceptance 5: one rank started with another seed
+# ------------------------------------------------------------------------------------------
+
+def test_a_rank_started_with_another_seed_is_named_at_start(tmp_path, fashion_small):
+    port = free_port()
+    procs = []
+    for rank, seed in [(0, 1), (1, 2)]:
+        cmd = [sys.executable, "-m", "speedrun", "train", "fashion-mnist", "--data-dir", str(fashion_small), *SMALL,
+               "--set", "data.batch_size=256", "--set", "train.epochs=1", "--seed", str(seed),
+               "--out", str(tmp_path / "run")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port))))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 1 and "Traceback" not in e, e
+        assert "ranks [1] start from other weights than rank 0" in e and "--seed" in e
+    assert outs[1][1].startswith("speedrun: error: rank 1/2:")
+    assert not (tmp_path / "run").exists()
