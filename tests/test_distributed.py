@@ -153,6 +153,36 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fas
     assert not (tmp_path / "odd").exists()
 
 
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory, fashion_small):
+    """LARS at a global batch of 1,024: two processes with 2 micro-batches of 256 each, and one
+    process emulating them with 4 micro-batches; batch norm per micro-batch (as per GPU)."""
+    root = tmp_path_factory.mktemp("emulated")
+    common = ["fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=1024",
+              "--set", "train.epochs=3", "--set", "optim.name=lars", "--set", "optim.lr=20.0",
+              "--set", "optim.lr_scaling=sqrt", "--set", "optim.ref_batch=512",
+              "--set", "schedule={kind='poly', warmup_epochs=1, power=2.0}", "--set", "train.label_smoothing=0.1"]
+    ok(single(*common, "--set", "train.accumulate=4", "--out", root / "one"))
+    ok(run(torchrun_cmd(*common, "--set", "train.accumulate=2", "--out", root / "two")))
+    return root
+
+
+def test_one_device_emulates_the_large_batch_of_several_with_accumulation(emulated):
+    one, two = summary(emulated / "one"), summary(emulated / "two")
+    assert one["steps"] == two["steps"] == 3 and one["batch_size"] == two["batch_size"] == 1024
+    assert relative_difference(weights(emulated / "one"), weights(emulated / "two")) < 1e-5
+
+
+def test_commands_that_run_in_one_process_refuse_a_multi_process_launch(tmp_path, fashion_small):
+    for command in (["bench", "fashion-mnist", "--runs", "2"], ["ablate", "fashion-mnist", "--runs", "2"], ["flops", "fashion-mnist"]):
+        proc = subprocess.run([sys.executable, "-m", "speedrun", *command, "--out", str(tmp_path / "x")]
+                              if command[0] != "flops" else [sys.executable, "-m", "speedrun", *command],
+                              capture_output=True, text=True, timeout=60, env=env(RANK="1", WORLD_SIZE="2"))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"speedrun: error: rank 1/2: speedrun {command[0]} ") and "torchrun" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # acceptance 2: two hosts (network namespaces joined by a veth pair)
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .errors import SpeedrunError
+from .errors import SpeedrunError, UsageError
+from .world import detect
 
 
 def _positive_int(text: str) -> int:
@@ -207,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rank() -> str:
     """'rank R/N: ' in a process of a multi-process job (every rank reports its own errors)."""
-    from .engine.distributed import detect
     world = detect()
     return f"rank {world.rank}/{world.size}: " if world.distributed else ""
 
@@ -231,7 +231,15 @@ def save_traceback(err: BaseException) -> str:
     return "(nowhere: no writable folder; set SPEEDRUN_CRASH_DIR)"
 
 
+ONE_PROCESS = {"bench": "runs its seeded runs one after another in one process",
+               "ablate": "runs its variants one after another in one process",
+               "flops": "times one device"}
+
+
 def dispatch(args) -> int:
+    if args.command in ONE_PROCESS and detect().distributed:
+        raise UsageError(f"speedrun {args.command} {ONE_PROCESS[args.command]}; start it without torchrun or srun "
+                         "(only `speedrun train` trains across processes)")
     if hasattr(args, "log_every"):
         from .report.console import LogEvery
         args.log_every = LogEvery.parse(args.log_every)
