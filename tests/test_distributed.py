@@ -255,13 +255,14 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return found
 
 
-def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int):
+def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int, sig=signal.SIGKILL):
     """Start a 2-process job that checkpoints every 4 steps; once the first checkpoint is
-    written, SIGKILL rank 1. Returns (agent, stdout, stderr, seconds from the kill to the end)."""
+    written, send rank 1 ``sig``. Returns (agent, run folder, stdout, stderr, seconds from the
+    signal to the end)."""
     out = tmp_path / "run"
     cmd = torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=64",
                        "--set", "train.epochs=6", "--set", "checkpoint.every_steps=4",
-                       "--set", "distributed.timeout_s=30", "--out", out,
+                       "--set", "distributed.timeout_s=10", "--out", out,
                        launcher=["--standalone", "--max-restarts", str(restarts), "--monitor-interval", "0.2"])
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     deadline = time.monotonic() + 120
@@ -271,7 +272,7 @@ def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int):
         time.sleep(0.02)
     pids = worker_pids(agent.pid)
     assert set(pids) == {0, 1}, pids
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[1], sig)
     killed = time.monotonic()
     o, e = agent.communicate(timeout=240)
     return agent, out, o, e, time.monotonic() - killed
@@ -291,6 +292,17 @@ def test_without_restarts_a_killed_worker_ends_the_job_naming_its_rank(tmp_path,
     agent, out, o, e, seconds = start_and_kill_rank_1(tmp_path, fashion_small, restarts=0)
     assert agent.returncode != 0 and seconds < 60
     assert re.search(r"rank\s*:?\s*1\b", e), e[-3000:]                 # torchrun's failure report
+    assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
+
+
+def test_a_hung_worker_ends_the_job_after_the_timeout(tmp_path, fashion_small):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0's collective times out after
+    distributed.timeout_s (10 s) and it stops with an error; torchrun then kills rank 1 (it waits
+    30 s for a SIGTERM to work first)."""
+    agent, out, o, e, seconds = start_and_kill_rank_1(tmp_path, fashion_small, restarts=0, sig=signal.SIGSTOP)
+    assert agent.returncode != 0 and 10 <= seconds < 90, seconds
+    assert "speedrun: error: rank 0/2: rank 0 of 2 lost contact with the other processes" in e
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", e), e[-3000:]
     assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
 
 
