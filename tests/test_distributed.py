@@ -125,7 +125,7 @@ def test_only_rank_0_prints_and_the_record_names_the_job(one_and_two):
     assert two.stdout.count("test accuracy") == 1 and two.stdout.count("epoch 2/2 done") == 1
     assert "2 (128 images each per step, 1 node)" in two.stdout
     assert sorted(p.name for p in (root / "two").iterdir()) == ["config.toml", "metrics.jsonl", "model.pt",
-                                                                 "summary.json"]
+                                                                 "preprocessing.json", "summary.json"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -78,6 +78,20 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
     }
 
 
+def preprocessing_of(recipe: Recipe, session: Session, result: RunResult) -> dict:
+    """How the run's evaluation turned an image into the model's input, for predict, evaluate
+    and export: decode to ``channels``; for a folder run, resize the shorter side to
+    ``image_size / eval_crop`` and take the centre ``image_size`` square (arrays are stored at
+    ``image_size``); then (pixel - mean) / std per channel, in 0..255 units."""
+    ds, d = session.dataset, recipe.data
+    folder = d.dataset == "folder"
+    return {"dataset": d.dataset, "channels": ds.in_channels, "image_size": list(ds.image_size),
+            "resize": "shorter_side_then_centre_crop" if folder else "to_image_size",
+            "eval_crop": d.eval_crop if folder else 1.0, "decoder": d.decoder,
+            "mean": result.normalisation[0], "std": result.normalisation[1], "pixel_range": [0, 255],
+            "classes": list(ds.classes), "tta": recipe.eval.tta, "layout": "NCHW"}
+
+
 def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
     """The recipe to train, the checkpoint when resuming (whose run's config.toml is the
     recipe) and the resumed run's folder. Everything is checked before anything is written."""
@@ -194,6 +208,7 @@ def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> 
     if not world.is_main:
         return 0
     record.save_weights(result.state_dict)
+    record.write_preprocessing(preprocessing_of(recipe, session, result))
     summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started)
     record.write_summary(summary)
     rows = [

@@ -204,8 +204,8 @@ class StreamedData:
 
     crops_in_workers = True               # random-resized crops are cut while decoding
 
-    def __init__(self, source, recipe, runtime, seed: int, shard: tuple[int, int] = (0, 1)):
-        """``source``: a FolderSource (the folder split, measured); ``shard``: (rank, world size)."""
+    def __init__(self, source, recipe, runtime, seed: int, shard: Shard = Shard()):
+        """``source``: a FolderSource (the folder split, measured); ``shard``: this process's share."""
         cfg, aug = recipe.data, recipe.augment
         self.device, self.dtype, self.memory_format = runtime.device, runtime.dtype, runtime.memory_format
         self.image_size = (source.size, source.size)

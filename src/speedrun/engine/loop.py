@@ -73,6 +73,7 @@ class RunResult:
     state_dict: dict | None = None
     skipped_images: int = 0
     resumed_from_step: int | None = None
+    normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -364,7 +365,8 @@ class Session:
                          bookkeeping_seconds=clock.paused["bookkeeping"],
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
-                         resumed_from_step=resume["step"] if resume else None)
+                         resumed_from_step=resume["step"] if resume else None,
+                         normalisation=(data.mean.tolist(), data.std.tolist()))
 
     def _evaluate(self, data, tta: str, fraction: float) -> torch.Tensor:
         """(correct with TTA, correct without, images) over the whole test set: each rank

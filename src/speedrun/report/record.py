@@ -14,7 +14,8 @@ from pathlib import Path
 from ..errors import RunFolderError
 from ..files import atomic_torch_save, atomic_write_json, atomic_write_text, check_output_folder, make_folder
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint.pt", "last_good.pt",
+             "preprocessing.json")
 KEEP_FILES = ("summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
 """Files worth keeping after a failure: a folder holding one of them is never removed."""
 
@@ -82,6 +83,10 @@ class RunRecord:
     def write_summary(self, summary: dict) -> None:
         atomic_write_json(self._path("summary.json"), summary)
 
+    def write_preprocessing(self, preprocessing: dict) -> None:
+        """What a model's input must be: how predict, evaluate and export prepare images."""
+        atomic_write_json(self._path("preprocessing.json"), preprocessing)
+
     def save_weights(self, state_dict: dict, name: str = "model.pt") -> Path:
         path = self._path(name)
         atomic_torch_save(path, {k: v.detach().cpu() for k, v in state_dict.items()})
@@ -112,6 +117,7 @@ class NullRecord:
     def reset_metrics(self) -> None: ...
     def append_metrics(self, row: dict) -> None: ...
     def write_summary(self, summary: dict) -> None: ...
+    def write_preprocessing(self, preprocessing: dict) -> None: ...
     def discard(self) -> None: ...
 
     def save_weights(self, state_dict: dict, name: str = "model.pt") -> Path:
