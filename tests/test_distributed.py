@@ -128,16 +128,17 @@ def test_only_rank_0_prints_and_the_record_names_the_job(one_and_two):
                                                                  "preprocessing.json", "summary.json"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_compressed_gradients_train_nearly_the_same_weights(one_and_two, precision):
+@pytest.mark.parametrize("field", ["distributed.compression=bf16", "distributed.compression=fp16"])
+def test_compressed_gradients_train_nearly_the_same_weights(one_and_two, field):
     """bf16/fp16 all-reduce (a DDP communication hook; small buckets, so several per step):
     not bit-identical to fp32 all-reduce, but close."""
     root, _, common = one_and_two
+    precision = field.split("=")[1]
     out = root / f"two-{precision}"
-    ok(run(torchrun_cmd(*common, "--set", f"distributed.compression={precision}", "--set",
-                        "distributed.bucket_mb=0.01", "--out", out)))
+    ok(run(torchrun_cmd(*common, "--set", field, "--set",
+                        "distributed.bucket_mb=0.01", "--set", "distributed.backend=gloo", "--out", out)))
     s = summary(out)
-    assert s["compression"] == precision and s["bucket_mb"] == 0.01
+    assert s["compression"] == precision and s["bucket_mb"] == 0.01 and s["backend"] == "gloo"
     diff = relative_difference(weights(root / "two"), weights(out))
     assert 1e-7 < diff < (2e-2 if precision == "bf16" else 2e-3), diff
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +152,11 @@ def test_every_recipe_field_is_set_away_from_its_default_by_some_run():
         exercised |= {k for k, v in values.items() if k not in defaults or v not in defaults[k]}
         for k, v in values.items():
             seen.setdefault(k, []).append(v)
+    # the multi-process runs of tests/test_distributed.py set the [distributed] fields
+    source = (Path(__file__).parent / "test_distributed.py").read_text()
+    for item in sorted(set(re.findall(r'"((?:distributed|model\.norm)\.\w+=[^"{]+)"', source))):
+        values = _flatten(load_recipe("fashion-mnist", [item]).to_dict())
+        exercised |= {k for k, v in values.items() if k not in defaults or v not in defaults[k]}
     # a tag of a union (model.name, schedule.kind) has one default per member: every member is used
     exercised |= {k for k, d in defaults.items() if len(set(map(str, d))) > 1 and all(x in seen.get(k, []) for x in d)}
     missing = sorted(set(field_paths(Recipe)) - exercised)
