@@ -154,6 +154,22 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fas
     assert not (tmp_path / "odd").exists()
 
 
+def test_a_streamed_folder_trains_the_same_on_two_processes_as_on_one(tmp_path, jpeg32):
+    """JPEG folders through DataLoader workers: the sampler gives each rank its share of every
+    batch (re-seeded per epoch), the validation set is split over the ranks and counted once."""
+    common = ["folder", "--data-dir", jpeg32, "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=128",
+              "--set", "eval.batch_size=100", "--set", "train.epochs=2", "--set", "data.workers=1",
+              "--set", "model.norm.sync_ranks=0", "--set", "eval.tta=flip", "--device", "cpu"]
+    ok(single(*common, "--out", tmp_path / "one"))
+    ok(run(torchrun_cmd(*common, "--out", tmp_path / "two")))
+    one, two = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert one["steps"] == two["steps"] == 8 and two["per_rank_batch"] == 64
+    assert relative_difference(weights(tmp_path / "one"), weights(tmp_path / "two")) < 1e-5
+    # 512 validation images in batches of 100 (the last of 12), split over 2 ranks: counted once
+    assert one["test_acc"] * 512 == pytest.approx(round(one["test_acc"] * 512))
+    assert abs(one["test_acc"] - two["test_acc"]) <= 1 / 512 + 1e-9
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory, fashion_small):
     """LARS at a global batch of 1,024: two processes with 2 micro-batches of 256 each, and one
