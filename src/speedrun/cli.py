@@ -159,6 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     _scale_options(sub.add_parser("scale", help="predict step time, throughput and scaling efficiency on 1 to "
                                   "4,096 GPUs from one GPU's speed, the gradient size and the network (a model)"))
 
+    p = sub.add_parser("predict", help="classify image files with a finished run's model (probabilities, top-k)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a finished run (model.pt, config.toml)")
+    p.add_argument("images", metavar="IMAGES", nargs="+", help="image files, folders (searched recursively) or "
+                   "glob patterns ('photos/**/*.jpg')")
+    p.add_argument("--top-k", type=_positive_int, default=1, help="the K most probable classes per image (default 1)")
+    p.add_argument("--tta", action="store_true", help="average the recipe's test-time views (eval.tta) of each image")
+    p.add_argument("--format", default="table", help="table (default), csv or json")
+    p.add_argument("--out", type=Path, help="write the predictions to this new file instead of the terminal")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--batch-size", type=_positive_int, help="images per forward pass (default: the run's eval.batch_size)")
+
+    p = sub.add_parser("evaluate", help="a finished run on its own test set: accuracy (equal to the run's), per "
+                       "class, top-5, confusion matrix, mistakes; written into the run folder")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a finished run")
+    p.add_argument("--data-dir", help="where the run's data is now (else where config.toml says, $SPEEDRUN_DATA, ...)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+
     p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
     p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
 
@@ -233,7 +250,7 @@ def save_traceback(err: BaseException) -> str:
 
 ONE_PROCESS = {"bench": "runs its seeded runs one after another in one process",
                "ablate": "runs its variants one after another in one process",
-               "flops": "times one device"}
+               "flops": "times one device", "predict": "runs on one device", "evaluate": "runs on one device"}
 
 
 def dispatch(args) -> int:
@@ -253,6 +270,9 @@ def dispatch(args) -> int:
         return recipes_command(args)
     if args.command == "data":
         return data_command(args)
+    if args.command in ("predict", "evaluate"):
+        from .use import evaluate, predict
+        return predict.predict_command(args) if args.command == "predict" else evaluate.evaluate_command(args)
     if args.command == "scale":
         from .bench.scale_command import scale_command
         return scale_command(args)

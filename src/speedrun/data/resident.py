@@ -99,9 +99,14 @@ class ResidentData:
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test set in batches of ``batch_size`` (this rank's slice of each)."""
+        for x, y, _ in self.indexed_test_batches(batch_size):
+            yield x, y
+
+    def indexed_test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """test_batches with the test-set index of each image."""
         for i in range(0, self.n_test, batch_size):
             n = min(batch_size, self.n_test - i)
             mine = self.shard.eval_slice(n)
             part = slice(i + mine.start, i + mine.stop)
             x = self.normalise(self.test[part])
-            yield x.contiguous(memory_format=self.memory_format), self.test_y[part]
+            yield x.contiguous(memory_format=self.memory_format), self.test_y[part], torch.arange(part.start, part.stop)

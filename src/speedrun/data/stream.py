@@ -245,13 +245,19 @@ class StreamedData:
             yield x.contiguous(memory_format=self.memory_format), y.to(self.device, non_blocking=True)
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for x_u8, y, _, skipped in self.val_loader:
+        for x, y, _ in self.indexed_test_batches(batch_size):
+            yield x, y
+
+    def indexed_test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """test_batches with the validation-list index of each image (unreadable images skipped
+        with data.skip_corrupt leave gaps)."""
+        for x_u8, y, idx, skipped in self.val_loader:
             self.skipped += skipped
             if isinstance(x_u8, Unreadable):
                 raise DataError(str(x_u8))
             if x_u8 is not None:
                 yield (self._to_device(x_u8).contiguous(memory_format=self.memory_format),
-                       y.to(self.device, non_blocking=True))
+                       y.to(self.device, non_blocking=True), idx)
 
     def whitening_sample(self, n: int) -> torch.Tensor:
         """Centre crops of the first ``n`` training images, normalised (float32); the same

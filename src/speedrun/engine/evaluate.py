@@ -63,10 +63,11 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float = 1.0,
+             on_batch: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Correct-prediction counts (with TTA, plain view) as device tensors, and the number of
-    images, over an iterable of (x, y) device batches: no host sync."""
+    images, over an iterable of (x, y) device batches: no host sync. ``on_batch(total, plain,
+    y)``, where given, sees each batch's logits (``speedrun evaluate`` keeps them)."""
     memory_format = runtime.memory_format if runtime else torch.contiguous_format
     was_training = model.training
     model.eval()
@@ -76,6 +77,8 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
             if not len(xb):                     # a rank's share of a small last batch can be empty
                 continue
             total, plain = tta_logits(model, xb, tta, memory_format, fraction)
+            if on_batch is not None:
+                on_batch(total, plain, yb)
             c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
             correct = c if correct is None else correct + c
             n += len(yb)

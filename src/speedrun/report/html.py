@@ -16,6 +16,7 @@ from ..optim.params import step_lr
 from ..optim.schedule import lr_multipliers, momenta
 from ..recipe import recipe_from_dict
 from . import plots
+from .evaluation import evaluation_section
 
 
 @dataclass
@@ -78,6 +79,11 @@ def run_report(folder: Path) -> Report:
                          f"{h['lr']:.4g}", f"{h['seconds']:.2f}"] for h in history]))
     rep.figures.append(("curves", "training curves", plots.training_curves([history])))
     rep.figures.append(("schedule", "learning-rate schedule", _schedule_figure(config, s["steps"], s["epochs"])))
+    evaluated = evaluation_section(folder)              # what `speedrun evaluate` wrote, if it ran
+    if evaluated:
+        rep.facts += evaluated[0]
+        rep.tables += evaluated[1]
+        rep.figures += evaluated[2]
     return rep
 
 
