@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+from speedrun.cli import main
 from test_cli import speedrun
 
 CHECK_SCRIPT = """<script>
@@ -82,3 +83,21 @@ def test_bench_and_ablate_reports_render(bench_records, tmp_path):
 def test_report_of_a_folder_without_records_says_so(tmp_path):
     proc = speedrun("report", tmp_path, check=False)
     assert proc.returncode == 1 and "no summary.json, bench.json or ablate.json" in proc.stderr
+
+
+def test_run_report_shows_the_evaluation(run_dir, tmp_path):
+    """`speedrun evaluate` on an array-data run reproduces its accuracy exactly, and the report
+    gains the per-class table, the confusion matrix and the mistakes grid."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report*"))
+    proc = speedrun("evaluate", run, "--device", "cpu")
+    assert "equal to the record" in proc.stdout and "yes, exactly" in proc.stdout
+    summary, evaluation = (json.loads((run / n).read_text()) for n in ("summary.json", "evaluation.json"))
+    assert (evaluation["test_acc"], evaluation["test_acc_no_tta"]) == (summary["test_acc"], summary["test_acc_no_tta"])
+    assert main(["report", str(run)]) == 0
+    dom = render(run / "report.html", tmp_path)
+    assert images_loaded(dom) == (4, 4)                     # curves, schedule, confusion matrix, mistakes
+    for text in ("per class (with TTA)", "confusion matrix (rows: true class", "Ankle boot", "yes, exactly",
+                 'id="fig-confusion"', 'id="fig-mistakes"'):
+        assert text in dom, text
+    assert "report_files/confusion.png" in (run / "report.md").read_text()

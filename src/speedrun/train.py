@@ -18,6 +18,7 @@ from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, TrainingStopped
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
+from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import NullRecord, RunRecord, new_run_dir
@@ -117,7 +118,8 @@ def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
 def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: World):
     """Build the session and train; with runtime.find_batch, an out-of-memory error during
     training (the probe before it cannot see everything the run allocates) halves the batch
-    and starts the run again. Only rank 0 shows progress and writes."""
+    and starts the run again. Only rank 0 shows progress and writes (the record and the
+    ``--log`` metric logs)."""
     while True:
         session = Session(recipe, source, runtime, say=say, world=world)
         recipe = session.recipe                      # the batch finder may have changed it
@@ -125,17 +127,31 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
             check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
             if resume is None:
                 record.write_config(recipe.to_toml())
+        logs = loggers.MetricLogs(record, args.log, session.n_epochs, resume) if world.is_main and args.log else None
+
+        def epoch_done(rec):
+            record.append_metrics(vars(rec))
+            if logs is not None:
+                logs.epoch(rec)
         try:
             with (TrainingProgress(recipe.name, args.log_every) if world.is_main else nullcontext(None)) as progress:
-                return session, session.run(progress=progress, checkpoint_dir=record.folder if world.is_main else None,
-                                            resume=resume, on_epoch=lambda rec: record.append_metrics(vars(rec))
-                                            if world.is_main else None)
+                result = session.run(progress=progress, checkpoint_dir=record.folder if world.is_main else None,
+                                     resume=resume, on_epoch=epoch_done if world.is_main else None,
+                                     on_steps=logs.steps if logs is not None else None)
+            if logs is not None:
+                logs.finish(result.test_acc, result.test_acc_no_tta)
+            return session, result
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not (recipe.runtime.find_batch and is_out_of_memory(err) and resume is None):
                 raise
             del session, err
             recipe = halve_batch(recipe, runtime, say)
             record.reset_metrics()
+            if logs is not None:
+                logs.remove()
+        finally:
+            if logs is not None:
+                logs.close()
 
 
 def _bytes_needed(session: Session) -> int:
@@ -158,9 +174,12 @@ def _run_folder(args, recipe: Recipe, world: World) -> Path:
 
 def train_command(args) -> int:
     world = distributed.detect()
+    chosen = loggers.parse(args.log)
     if world.distributed and args.resume is None and world.restart and args.out and (Path(args.out) / ckpt.NAME).is_file():
         args.resume = str(args.out)             # torchrun restarted the job: continue from its last checkpoint
     recipe, resume, folder = _recipe_for(args)
+    args.log = chosen if chosen is not None else loggers.found_in(folder) if folder else ()
+    loggers.require(args.log)
     if world.distributed and recipe.runtime.find_batch:
         raise RecipeError("runtime.find_batch (--find-batch) probes one process's memory; with several processes "
                           "set data.batch_size (or data.per_device_batch) yourself")

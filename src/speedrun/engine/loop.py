@@ -59,6 +59,18 @@ class EpochRecord:
 
 
 @dataclass
+class EpochSteps:
+    """One epoch's training steps as host values, for metric logs: the losses from the
+    epoch's one read-back, the weight group's learning rate and the momentum (when the
+    schedule sets it) from the precomputed schedule. Steps are numbered from 1."""
+    epoch: int
+    first_step: int
+    loss: list[float]
+    lr: list[float]
+    momentum: list[float] | None
+
+
+@dataclass
 class RunResult:
     seed: int
     test_acc: float
@@ -301,9 +313,10 @@ class Session:
             whiten_steps=round(r.model.whiten.train_bias_epochs * spe) if getattr(self.model, "whiten", None) else 0)
 
     def run(self, seed: int | None = None, progress=None, on_epoch=None, checkpoint_dir: Path | None = None,
-            resume: dict | None = None) -> RunResult:
+            resume: dict | None = None, on_steps=None) -> RunResult:
         """Train from a fresh initialisation (or from the checkpoint ``resume``);
-        ``on_epoch(record)`` is called after each epoch."""
+        ``on_epoch(record)`` is called after each epoch, ``on_steps(EpochSteps)`` after each
+        epoch's losses are read back (with the clock paused)."""
         r, rt, model = self.recipe, self.runtime, self.model
         seed = (resume["seed"] if resume else r.train.seed) if seed is None else seed
         progress = progress or NullProgress()
@@ -332,8 +345,13 @@ class Session:
                 st.epoch = epoch
                 losses, correct, first = self._train_epoch(data, st, progress, clock, seed, checkpoint_dir)
                 with clock.pause("bookkeeping"):
-                    rec = self._check_epoch(st, losses, correct, first, last_good, weight_group["lr"])
+                    rec, step_losses = self._check_epoch(st, losses, correct, first, last_good, weight_group["lr"])
                     last_good.take(model, st.step)
+                    if on_steps is not None:
+                        base_lr = weight_group["base_lr"]
+                        on_steps(EpochSteps(epoch + 1, first + 1, step_losses,
+                                            [base_lr * m for m in st.lrs[first:st.step]],
+                                            st.moms[first:st.step] if st.moms else None))
                 if r.eval.every and (epoch + 1) % r.eval.every == 0 and epoch + 1 < self.n_epochs:
                     with clock.pause("monitor"), (st.averager.applied() if st.averager else nullcontext()):
                         _, plain, n_test = self._evaluate(data, "none", 1.0).tolist()
@@ -413,8 +431,9 @@ class Session:
         return losses[:st.step - first], correct, first
 
     def _check_epoch(self, st: TrainState, losses, correct, first: int, last_good: LastGood,
-                     lr: float) -> EpochRecord:
-        """Read the epoch's metrics back; stop on a non-finite loss (see :func:`first_bad_step`)."""
+                     lr: float) -> tuple[EpochRecord, list[float]]:
+        """Read the epoch's metrics back (the record and the per-step losses, averaged over
+        ranks); stop on a non-finite loss (see :func:`first_bad_step`)."""
         n = len(losses)
         w = self.world
         summed = distributed.all_reduce_sum(torch.cat([losses, correct.float()[None]]), w)   # ranks' means, counts
@@ -427,7 +446,7 @@ class Session:
         finite = [v for v in step_losses if math.isfinite(v)]
         mean_loss = sum(finite) / len(finite) if finite else math.nan
         return EpochRecord(st.epoch + 1, mean_loss, n_correct / (n * self.recipe.data.batch_size), None, lr, 0.0,
-                           skipped)
+                           skipped), step_losses
 
     # ------------------------------------------------------------------------------------
     def _save(self, folder, seed: int, st: TrainState, batch_in_epoch: int, losses, correct, clock: Clock) -> None:

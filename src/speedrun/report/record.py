@@ -8,14 +8,17 @@ fails before it has anything worth keeping removes what it wrote.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 from ..errors import RunFolderError
 from ..files import atomic_torch_save, atomic_write_json, atomic_write_text, check_output_folder, make_folder
 
+LOG_FILES = ("steps.csv", "epochs.csv", "tensorboard")
+"""What ``--log`` writes (report/loggers.py)."""
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "model.pt", "checkpoint.pt", "last_good.pt",
-             "preprocessing.json")
+             "preprocessing.json", *LOG_FILES)
 KEEP_FILES = ("summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
 """Files worth keeping after a failure: a folder holding one of them is never removed."""
 
@@ -42,7 +45,7 @@ class RunRecord:
         self.folder = Path(folder)
         self.resuming = resume_history is not None
         if not self.resuming:
-            own = ("config.toml", "metrics.jsonl") if restarted else ()
+            own = ("config.toml", "metrics.jsonl", *LOG_FILES) if restarted else ()
             found = [n for n in RUN_FILES if (self.folder / n).exists() and n not in own]
             if found:
                 what = ("an interrupted run (continue it with `speedrun train --resume "
@@ -60,6 +63,11 @@ class RunRecord:
             made = made.parent
         self.written: list[Path] = []
         self._metrics: list[str] = [json.dumps(h) for h in resume_history or []]
+
+    def path_for(self, name: str) -> Path:
+        """The path of a file or folder this run writes in its folder (made ready, and removed
+        again by :meth:`discard`)."""
+        return self._path(name)
 
     def _path(self, name: str) -> Path:
         make_folder(self.folder)
@@ -99,7 +107,7 @@ class RunRecord:
         if self.resuming or any((self.folder / n).exists() for n in KEEP_FILES):
             return
         for path in self.written:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         for folder in self._made:            # deepest first; stops at the first one not empty
             try:
                 folder.rmdir()

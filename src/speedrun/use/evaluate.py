@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,8 +154,9 @@ def evaluation_record(loaded: LoadedRun, test: TestSet, out: Logits, seconds: fl
     np.add.at(confusion, (out.labels.numpy(), pred.numpy()), 1)
     acc, acc_plain = out.correct_tta / n, out.correct_plain / n
     summary = loaded.summary() or {}
-    recorded = {key: summary.get(key) for key in ("test_acc", "test_acc_no_tta")} if summary else None
-    matches = None if not recorded or None in recorded.values() else (
+    recorded = {key: summary.get(key) for key in ("test_acc", "test_acc_no_tta", "device", "device_name",
+                                                  "precision", "compile")} if summary else None
+    matches = None if not recorded or None in (recorded["test_acc"], recorded["test_acc_no_tta"]) else (
         recorded["test_acc"] == acc and recorded["test_acc_no_tta"] == acc_plain)
     conf = out.total.softmax(1).max(1).values
     wrong = torch.nonzero(pred != out.labels).flatten()
@@ -199,25 +199,42 @@ def evaluate_command(args) -> int:
     atomic_write_bytes(files["mistakes"], mistakes_figure(pictures, captions))
     atomic_write_text(files["predictions"], predictions_csv(test, out, loaded.classes))
     atomic_write_json(files["record"], record)           # last: it names the others
+    if len(loaded.classes) <= PER_CLASS_PRINTED:
+        _print_per_class(record["per_class"])
     print_table(f"evaluate {loaded.recipe.name} ({test.describe})", _rows(record, files))
     return 0
 
 
+PER_CLASS_PRINTED = 30
+"""Classes up to which evaluate prints the per-class table (evaluation.json always has it)."""
+
+
+def _print_per_class(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    from ..report.console import make_console
+    table = Table("class", "precision", "recall", "F1", "images", title="per class (with TTA)")
+    for c in rows:
+        table.add_row(c["class"], _pct(c["precision"]), _pct(c["recall"]), _pct(c["f1"]), str(c["support"]))
+    make_console().print(table)
+
+
 def _rows(e: dict, files: dict) -> list[tuple[str, str]]:
     rows = [(f"accuracy ({e['tta']} TTA)", f"{e['test_acc']:.2%}"), ("without TTA", f"{e['test_acc_no_tta']:.2%}")]
-    if e["recorded"]:
-        same = {True: "yes, exactly", False: "NO", None: "—"}[e["matches_record"]]
-        rows.append(("equals the run's record", f"{same} (recorded {json.dumps(e['recorded'])})"))
+    r = e["recorded"]
+    if e["matches_record"] is not None:
+        rows.append(("the run recorded", f"{r['test_acc']:.2%} ({r['test_acc_no_tta']:.2%} without TTA)"))
+        rows.append(("equal to the record", "yes, exactly" if e["matches_record"] else
+                     f"NO: the run evaluated on {r['device_name']} in {r['precision']}, this on {e['device_name']} in "
+                     f"{e['precision']}; other kernels round differently (or the data changed)"))
     if e["top5_acc"] is not None:
         rows.append(("top-5 accuracy (TTA)", f"{e['top5_acc']:.2%}"))
     if e["macro_f1"] is not None:
         rows.append(("macro F1 (TTA)", f"{e['macro_f1']:.4f}"))
-    if len(e["classes"]) <= 20:
-        rows += [(f"  {c['class']}", f"P {_pct(c['precision'])}  R {_pct(c['recall'])}  F1 {_pct(c['f1'])}  "
-                  f"({c['support']})") for c in e["per_class"]]
     if e["skipped_images"]:
         rows.append(("unreadable images skipped", str(e["skipped_images"])))
-    rows += [("written", ", ".join(str(p) for p in files.values())), ("seconds", f"{e['seconds']:.1f}")]
+    rows += [("written into", f"{Path(e['run'])}: {', '.join(p.name for p in files.values())}"),
+             ("seconds", f"{e['seconds']:.1f}")]
     return rows
 
 
