@@ -180,6 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="where the run's data is now (else where config.toml says, $SPEEDRUN_DATA, ...)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
 
+    p = sub.add_parser("export", help="a finished run's model as ONNX, TorchScript or safetensors, with its "
+                       "preprocessing in the file, checked against PyTorch on the run's test images")
+    p.add_argument("run", metavar="RUN_DIR", help="the folder of a finished `speedrun train` run")
+    p.add_argument("--format", choices=["onnx", "torchscript", "safetensors"], required=True)
+    p.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.onnx, model.torchscript.pt "
+                   "or model.safetensors); an existing file is never overwritten")
+    p.add_argument("--data-dir", help="where the run's data is, if not where it was trained from (the check uses "
+                   "its test images; random images without them)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest difference of a logit from PyTorch's accepted (default 1e-4)")
+
     p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
     p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
 
@@ -277,6 +288,9 @@ def dispatch(args) -> int:
     if args.command in ("predict", "evaluate"):
         from .use import evaluate, predict
         return predict.predict_command(args) if args.command == "predict" else evaluate.evaluate_command(args)
+    if args.command == "export":
+        from .use.export import export_command
+        return export_command(args)
     if args.command == "scale":
         from .bench.scale_command import scale_command
         return scale_command(args)

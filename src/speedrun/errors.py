@@ -47,3 +47,8 @@ class TrainingStopped(SpeedrunError, RuntimeError):
 
 class DistributedError(SpeedrunError, RuntimeError):
     """A process of a multi-process job cannot join, differs from the others, or lost them."""
+
+
+class ExportError(SpeedrunError, RuntimeError):
+    """A model that cannot be exported to a format, or whose export does not compute what the
+    run's model computes."""
