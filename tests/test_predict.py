@@ -205,3 +205,52 @@ def test_predict_options_are_checked_before_any_work(evaluated, jpeg32, tmp_path
     code, _, err = run_cli(capsys, "predict", run, img, "--out", blocker)
     assert code == 2 and "already exists" in err and blocker.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_evaluate_refuses_data_that_is_not_the_runs(evaluated, jpeg32, tmp_path, capsys):
+    run, *_ = evaluated
+    other = tmp_path / "other"
+    for split in ("train", "val"):
+        for name in ("apples", "pears"):
+            (other / split / name).mkdir(parents=True)
+            shutil.copy(jpeg32 / "val" / "cat" / "00000.jpg", other / split / name / "a.jpg")
+    before = sorted(p.name for p in run.iterdir())
+    code, _, err = run_cli(capsys, "evaluate", run, "--data-dir", other, "--device", "cpu")
+    assert code == 1 and "its classes (apples, pears) are not the run's (airplane, automobile" in err
+    assert len(err.splitlines()) == 1 and sorted(p.name for p in run.iterdir()) == before
+
+
+def array_run(folder, npz):
+    """A run folder on arrays made by hand (untrained weights): what train writes, without training."""
+    from speedrun.data.arrays import load_npz
+    from speedrun.data.resident import ResidentData
+    from speedrun.models import build_model
+    from speedrun.recipe import load_recipe
+    recipe = load_recipe("fashion-mnist", ["data.dataset=npz", f"data.path={str(npz)!r}", "model.widths=[8,8,8]"])
+    ds = load_npz(npz)
+    data = ResidentData(ds, torch.device("cpu"), torch.float32, torch.channels_last)
+    folder.mkdir()
+    (folder / "config.toml").write_text(recipe.to_toml())
+    torch.save(build_model(recipe.model, 1, 10).state_dict(), folder / "model.pt")
+    (folder / "preprocessing.json").write_text(json.dumps({
+        "dataset": "npz", "channels": 1, "image_size": [28, 28], "resize": "to_image_size", "eval_crop": 1.0,
+        "decoder": "auto", "mean": data.mean.tolist(), "std": data.std.tolist(), "classes": ds.classes,
+        "tta": "flip_translate"}))
+    return ds, data
+
+
+def test_an_array_runs_images_are_prepared_as_its_pipeline_did(fashion_small, tmp_path):
+    from PIL import Image
+    ds, data = array_run(tmp_path / "run", fashion_small)
+    paths = []
+    for i in range(8):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(ds.test_x[i, 0].numpy()).save(paths[-1])
+    loaded = load_run(tmp_path / "run", "cpu")
+    x, kept, skipped = prepare_images(loaded, paths)
+    x_eval, _ = next(iter(data.test_batches(8)))
+    assert kept == paths and skipped == [] and torch.equal(x, x_eval)
+    big = tmp_path / "big.png"                         # another size: brought to 28 x 28
+    Image.fromarray(ds.test_x[0, 0].numpy()).resize((56, 70)).convert("RGB").save(big)
+    x, _, _ = prepare_images(loaded, [big])
+    assert x.shape == (1, 1, 28, 28) and (x - x_eval[:1]).abs().mean() < 0.5

@@ -241,9 +241,3 @@ def _rows(e: dict, files: dict) -> list[tuple[str, str]]:
 def _pct(x) -> str:
     return "—" if x is None else f"{x:.1%}"
 
-
-def evaluate_run(run_dir, device=None, data_dir=None) -> dict:
-    """The evaluation record of a run without writing anything (for tests and notebooks)."""
-    loaded = load_run(run_dir, device)
-    test = open_test_set(loaded, data_dir)
-    return evaluation_record(loaded, test, run_evaluation(loaded, test), 0.0)[0]
