@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import tomllib
+import warnings
 
 import numpy as np
 import onnx
@@ -101,7 +102,8 @@ def test_onnx_metadata_describes_the_input(exported):
 def test_torchscript_agrees_with_pytorch_and_carries_its_preprocessing(exported, reference):
     x_u8, expected = reference
     extra = {"preprocessing.json": ""}
-    with pytest.warns(DeprecationWarning):                 # torch 2.13 deprecates TorchScript; it still loads
+    with warnings.catch_warnings():                        # torch 2.13 deprecates TorchScript; it still loads
+        warnings.simplefilter("ignore", DeprecationWarning)
         module = torch.jit.load(str(exported / "run" / "model.torchscript.pt"), _extra_files=extra)
     with torch.no_grad():
         logits = module(x_u8.float())
@@ -214,6 +216,16 @@ def test_an_export_that_disagrees_with_pytorch_is_not_written(cli, run_copy, mon
                   "nothing was written")
     assert sorted(p.name for p in run_copy.iterdir()) == sorted(
         ["config.toml", "metrics.jsonl", "model.pt", "preprocessing.json", "summary.json"])
+
+
+def test_an_exporter_failure_is_one_message_and_writes_nothing(cli, run_copy, monkeypatch):
+    def trace(*args, **kwargs):
+        raise RuntimeError("Tracer cannot infer type of output\nmore lines of torch's own")
+    monkeypatch.setattr(torch.jit, "trace", trace)
+    err = check_refused(cli("export", run_copy, "--format", "torchscript"), 1, "cannot export", "to torchscript",
+                        "Tracer cannot infer type of output", "nothing was written")
+    assert "more lines" not in err and not (run_copy / "model.torchscript.pt").exists()
+    check_refused(cli("export", run_copy, "--format", "torchscript", "--tolerance", "-1"), 2, "--tolerance -1")
 
 
 def test_without_the_runs_data_the_check_uses_random_images_and_says_so(run_copy, tmp_path):

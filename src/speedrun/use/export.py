@@ -126,6 +126,10 @@ class CheckImages:
     source: str                   # what they are, for the output
 
 
+def _count_images(n: int, kind: str = "") -> str:
+    return f"{n} {kind}image{'s' if n != 1 else ''}"
+
+
 def _spread(n_available: int, n: int) -> np.ndarray:
     """``n`` indices spread evenly over ``n_available`` (all of them if there are fewer)."""
     return np.unique(np.linspace(0, n_available - 1, min(n, n_available)).round().astype(np.int64))
@@ -142,14 +146,14 @@ def _test_images(loaded: LoadedRun, data_dir, n: int) -> CheckImages:
         x, kept, _ = decode_images(loaded, [val.path(int(i)) for i in _spread(len(val), n)])
         if not kept:
             raise DataError(f"{path}: none of its validation images could be read")
-        return CheckImages(x, f"{len(kept)} validation images of {path}")
+        return CheckImages(x, f"{_count_images(len(kept))} of {path} (validation)")
     ds = load_npz(data_dir or data.path) if data.dataset == "npz" else load_dataset(data.dataset, data_dir, fetch=False)
     check_classes(loaded, ds.classes, ds.source)
     if tuple(ds.test_x.shape[1:]) != (loaded.channels, h, w):
         raise DataError(f"{ds.source}: its images are {tuple(ds.test_x.shape[1:])}, not the run's "
                         f"{(loaded.channels, h, w)}")
     idx = torch.from_numpy(_spread(len(ds.test_x), n))
-    return CheckImages(ds.test_x[idx].contiguous(), f"{len(idx)} test images of {ds.source}")
+    return CheckImages(ds.test_x[idx].contiguous(), f"{_count_images(len(idx), 'test ')} of {ds.source}")
 
 
 def check_images(loaded: LoadedRun, data_dir=None, n: int = CHECK_IMAGES) -> CheckImages:
@@ -161,7 +165,7 @@ def check_images(loaded: LoadedRun, data_dir=None, n: int = CHECK_IMAGES) -> Che
         h, w = loaded.image_size
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, 256, (n, loaded.channels, h, w), generator=g, dtype=torch.uint8)
-        return CheckImages(x, f"{n} random images (the run's test images are not at hand: {why}; "
+        return CheckImages(x, f"{_count_images(n, 'random ')} (the run's test images are not at hand: {why}; "
                               "--data-dir DIR names where they are)")
 
 
@@ -290,6 +294,8 @@ def export_run(run_dir, fmt: str, out: Path | None = None, data_dir=None, tolera
     """Export the run in ``run_dir`` to ``fmt``, check it, and write it (see the module's docstring)."""
     if fmt not in FILE_NAMES:
         raise UsageError(f"--format {fmt}: unknown format; choose one of {', '.join(FILE_NAMES)}")
+    if not tolerance >= 0:
+        raise UsageError(f"--tolerance {tolerance}: must be a difference of 0 or more (default {TOLERANCE:g})")
     missing = missing_packages(fmt)
     if missing:
         raise UsageError(f"--format {fmt} needs the Python packages {', '.join(missing)}, which are not installed: "
@@ -313,7 +319,8 @@ def export_run(run_dir, fmt: str, out: Path | None = None, data_dir=None, tolera
     net = PixelsToLogits(loaded)
     exporter, runner = (to_onnx, run_onnx) if fmt == "onnx" else (to_torchscript, run_torchscript)
     try:
-        data = exporter(net, images.pixels[:2].float(), description)
+        example = images.pixels[:2].float().expand(2, -1, -1, -1).contiguous()   # a batch of 1 would fix N at 1
+        data = exporter(net, example, description)
         logits = runner(data, batches)
     except Exception as err:                 # an operator the format lacks, an exporter's failure
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
