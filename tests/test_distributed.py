@@ -58,6 +58,11 @@ def summary(folder: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
 
 
+def logged_steps(folder: Path) -> list[int]:
+    """The step numbers in a run's steps.csv (--log csv), in file order."""
+    return [int(line.split(",")[0]) for line in (folder / "steps.csv").read_text().splitlines()[1:]]
+
+
 def ok(proc) -> str:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}"
     return proc.stdout
@@ -92,7 +97,7 @@ def one_and_two(tmp_path_factory, fashion_small):
     common = ["fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=256",
               "--set", "train.epochs=2", "--set", "train.accumulate=2", "--set", "model.norm.sync_ranks=0"]
     ok(single(*common, "--out", root / "one"))
-    two = run(torchrun_cmd(*common, "--out", root / "two"))
+    two = run(torchrun_cmd(*common, "--out", root / "two", "--loggers", "csv"))
     ok(two)
     local = run(torchrun_cmd(*common[:-2], "--set", "model.norm.sync_ranks=1", "--out", root / "local"))
     ok(local)
@@ -124,8 +129,12 @@ def test_only_rank_0_prints_and_the_record_names_the_job(one_and_two):
     assert s["bucket_mb"] == 25.0 and s["compression"] == "none" and s["norm_sync_ranks"] == 0
     assert two.stdout.count("test accuracy") == 1 and two.stdout.count("epoch 2/2 done") == 1
     assert "2 (128 images each per step, 1 node)" in two.stdout
-    assert sorted(p.name for p in (root / "two").iterdir()) == ["config.toml", "metrics.jsonl", "model.pt",
-                                                                 "preprocessing.json", "summary.json"]
+    assert sorted(p.name for p in (root / "two").iterdir()) == ["config.toml", "epochs.csv", "metrics.jsonl",
+                                                                 "model.pt", "preprocessing.json", "steps.csv",
+                                                                 "summary.json"]
+    # --log csv (spelt --loggers: torchrun's parser takes --log for an abbreviation of its --log-dir):
+    # rank 0 alone logs each step once (two writers would append every row twice)
+    assert logged_steps(root / "two") == list(range(1, 9))
 
 
 @pytest.mark.parametrize("field", ["distributed.compression=bf16", "distributed.compression=fp16"])
@@ -279,7 +288,7 @@ def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int, sig=signal.SIG
     out = tmp_path / "run"
     cmd = torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=64",
                        "--set", "train.epochs=6", "--set", "checkpoint.every_steps=4",
-                       "--set", "distributed.timeout_s=10", "--out", out,
+                       "--set", "distributed.timeout_s=10", "--out", out, "--loggers", "csv",
                        launcher=["--standalone", "--max-restarts", str(restarts), "--monitor-interval", "0.2"])
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     deadline = time.monotonic() + 120
@@ -303,6 +312,7 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_checkpoint(tm
     assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < 96
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert logged_steps(out) == list(range(1, 97))          # the restarted job's logs: every step once
 
 
 def test_without_restarts_a_killed_worker_ends_the_job_naming_its_rank(tmp_path, fashion_small):

@@ -68,7 +68,6 @@ def runs(tmp_path_factory, fashion_small):
     """The same run with --log tensorboard,csv and without, each with its reads."""
     root = tmp_path_factory.mktemp("loggers")
     common = ["train", "fashion-mnist", "--data-dir", fashion_small, *RUN]
-    assert main(*common, "--out", root / "warm") == 0           # one-time costs of a first run in the process
     rc_plain, plain = counted_run(*common, "--out", root / "plain")
     rc_logged, logged = counted_run(*common, "--out", root / "logged", "--log", "tensorboard", "--log", "csv")
     assert rc_plain == rc_logged == 0

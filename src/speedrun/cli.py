@@ -127,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint.pt")
     p.add_argument("--find-batch", action="store_true",
                    help="halve data.batch_size on out-of-memory until it fits (runtime.find_batch)")
-    p.add_argument("--log", action="append", metavar="tensorboard|csv|none",
+    p.add_argument("--log", "--loggers", dest="log", action="append", metavar="tensorboard|csv|none",
                    help="also log the per-step and per-epoch metrics for TensorBoard (RUN/tensorboard/) or as CSV "
                         "(RUN/steps.csv, RUN/epochs.csv); repeatable or a comma list (default: none, or what a "
-                        "resumed run logged)")
+                        "resumed run logged). Under torchrun spell it --loggers: torchrun takes --log for its own")
 
     sub.add_parser("recipes", help="list the shipped recipes")
 
