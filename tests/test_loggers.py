@@ -200,3 +200,16 @@ def test_unknown_or_contradictory_loggers_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("speedrun: error: ") and said in err and err.count("\n") == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_a_resumed_csv_keeps_whole_rows_up_to_its_step_and_appends_after_them(tmp_path):
+    """What a killed run can leave: rows past the resumed epoch's start, and a torn last line."""
+    from speedrun.report.loggers import CsvLog
+    from speedrun.report.record import RunRecord
+    (tmp_path / "steps.csv").write_text("step,epoch,loss,lr\n" + "".join(f"{s},{(s - 1) // 4 + 1},0.{s},1e-3\n"
+                                                                        for s in range(1, 7)) + "7,2,0.")
+    log = CsvLog(RunRecord(tmp_path, resume_history=[]), "steps.csv", "step", keep=4)
+    log.write([{"step": s, "epoch": 2, "loss": 0.5, "lr": 1e-3} for s in (5, 6, 7, 8)])
+    rows = read_csv(tmp_path / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 9)) and rows[3]["loss"] == "0.4"
+    assert [r["loss"] for r in rows[4:]] == ["0.5"] * 4

@@ -75,12 +75,9 @@ class CsvLog:
 
     def _trim(self, key: str, keep: int) -> None:
         rows = csv.DictReader(io.StringIO(read_text(self.path, "CSV log", RunFolderError)))
-        if not rows.fieldnames:                     # empty: written afresh
-            self.path.unlink()
-            return
-        self.columns = list(rows.fieldnames)
-        kept = [r for r in rows if None not in r.values() and _whole(r.get(key)) is not None and _whole(r[key]) <= keep]
-        atomic_write_text(self.path, self._text(kept, header=True))
+        self.columns = list(rows.fieldnames or []) or None
+        kept = [r for r in rows if None not in r and None not in r.values() and _at_most(r.get(key), keep)]
+        atomic_write_text(self.record.path_for(self.name), self._text(kept, header=True) if self.columns else "")
 
     def _text(self, rows: list[dict], header: bool) -> str:
         buf = io.StringIO()
@@ -91,8 +88,9 @@ class CsvLog:
         return buf.getvalue()
 
     def write(self, rows: list[dict]) -> None:
+        header = self.columns is None
         self.columns = self.columns or list(rows[0])
-        text = self._text(rows, header=not self.path.exists())
+        text = self._text(rows, header)
         self.record.path_for(self.name)
         try:
             with open(self.path, "a", encoding="utf-8") as f:
@@ -101,11 +99,12 @@ class CsvLog:
             raise disk_error(self.path, err) from None
 
 
-def _whole(text) -> int | None:
+def _at_most(text: str | None, keep: int) -> bool:
+    """Whether a row's step (or epoch) number is a whole number up to ``keep``."""
     try:
-        return int(text)
+        return int(text) <= keep
     except (TypeError, ValueError):
-        return None
+        return False
 
 
 class TensorBoardLog:
