@@ -193,7 +193,9 @@ def train_command(args) -> int:
         record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
             else NullRecord(folder)
         try:
-            return _train_into(record, recipe, resume, runtime, args, world)
+            code = _train_into(record, recipe, resume, runtime, args, world)
+            distributed.finish(world, recipe.distributed.timeout_s)
+            return code
         except BaseException:
             record.discard()                   # a failed run leaves no empty folder behind
             raise

@@ -91,6 +91,25 @@ def _fresh_store(world: World, timeout_s: float):
     return dist.PrefixStore(f"speedrun/start-{start_number}", store)
 
 
+def finish(world: World, timeout_s: float) -> None:
+    """Wait, at the end of a finished run, until every rank has finished too: a rank that hangs
+    after its last collective would otherwise keep the job alive forever. gloo names the ranks
+    that did not arrive; NCCL's barrier times out like any collective."""
+    if not world.distributed:
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as err:
+        late = re.search(r"Ranks? ([\d, ]+) failed to pass", str(err))       # gloo's monitored barrier
+        who = f"rank(s) {late.group(1).strip()}" if late else "another rank"
+        raise DistributedError(f"rank {world.rank} of {world.size} finished, but {who} did not within "
+                               f"distributed.timeout_s={timeout_s:g} s (hung or died); the run record was "
+                               "written by rank 0") from None
+
+
 def stop() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
