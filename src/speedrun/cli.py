@@ -226,16 +226,28 @@ def main(argv: list[str] | None = None) -> int:
         return dispatch(args)
     except SpeedrunError as err:
         print(f"speedrun: error: {_rank()}{err}", file=sys.stderr)
-        return err.exit_code
+        return _leave(err.exit_code)
     except KeyboardInterrupt:
         print("speedrun: interrupted", file=sys.stderr)
-        return 130
+        return _leave(130)
     except Exception as err:                        # a bug: one line, the traceback in a file
         path = save_traceback(err)
         first = str(err).splitlines()[0][:300] if str(err) else ""
         print(f"speedrun: internal error: {_rank()}{type(err).__name__}: {first}\nThis is a bug in speedrun; the "
               f"traceback is in {path} (please include it when you report it).", file=sys.stderr)
-        return 1
+        return _leave(1)
+
+
+def _leave(code: int) -> int:
+    """The exit code of a failed command. A process of a multi-process job exits at once: after
+    a peer was lost, tearing down DDP's gloo process group can deadlock (its destructor joins a
+    worker thread that waits for the GIL the main thread holds), which would leave the job
+    hanging instead of ending it."""
+    if detect().distributed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _rank() -> str:
