@@ -137,10 +137,10 @@ def test_only_rank_0_prints_and_the_record_names_the_job(one_and_two):
     assert logged_steps(root / "two") == list(range(1, 9))
 
 
-@pytest.mark.parametrize("field", ["distributed.compression=bf16", "distributed.compression=fp16"])
+@pytest.mark.parametrize("field", ["distributed.compression=bf16"])
 def test_compressed_gradients_train_nearly_the_same_weights(one_and_two, field):
-    """bf16/fp16 all-reduce (a DDP communication hook; small buckets, so several per step):
-    not bit-identical to fp32 all-reduce, but close."""
+    """bf16 all-reduce (our hook on gloo; small buckets, so several per step): not bit-identical
+    to fp32 all-reduce, but close. (fp16, torch's own hook, runs in the two-hosts test.)"""
     root, _, common = one_and_two
     precision = field.split("=")[1]
     out = root / f"two-{precision}"
@@ -149,7 +149,7 @@ def test_compressed_gradients_train_nearly_the_same_weights(one_and_two, field):
     s = summary(out)
     assert s["compression"] == precision and s["bucket_mb"] == 0.01 and s["backend"] == "gloo"
     diff = relative_difference(weights(root / "two"), weights(out))
-    assert 1e-7 < diff < (2e-2 if precision == "bf16" else 2e-3), diff
+    assert 1e-7 < diff < 2e-2, diff
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fashion_small):
@@ -244,7 +244,8 @@ def test_two_torchrun_agents_on_two_hosts_form_one_job(two_hosts, tmp_path, fash
                     f"10.231.0.{node + 1}", "--rdzv-conf", f"is_host={int(node == 0)}"]
         cmd = ["ip", "netns", "exec", host, *torchrun_cmd(
             "fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=256",
-            "--set", "train.epochs=1", "--out", out, nproc=1, launcher=launcher)]
+            "--set", "train.epochs=1", "--set", "distributed.compression=fp16", "--out", out, nproc=1,
+            launcher=launcher)]
         agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(
             GLOO_SOCKET_IFNAME=f"{two_hosts[0][:-1]}-{node}")))
     results = [a.communicate(timeout=240) for a in agents]
@@ -252,7 +253,7 @@ def test_two_torchrun_agents_on_two_hosts_form_one_job(two_hosts, tmp_path, fash
         assert a.returncode == 0, f"{o[-2000:]}\n{e[-4000:]}"
     s = summary(out)
     assert (s["world_size"], s["nodes"], s["processes_per_node"], s["per_rank_batch"]) == (2, 2, 1, 128)
-    assert s["launcher"] == "torchrun" and s["steps"] == 4
+    assert s["launcher"] == "torchrun" and s["steps"] == 4 and s["compression"] == "fp16"
     printed = [o.count("test accuracy") for o, _ in results]
     assert sorted(printed) == [0, 1]
 
@@ -281,10 +282,9 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return found
 
 
-def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int, sig=signal.SIGKILL):
+def start_and_signal_rank_1(tmp_path, fashion_small, restarts: int, sig=signal.SIGKILL):
     """Start a 2-process job that checkpoints every 4 steps; once the first checkpoint is
-    written, send rank 1 ``sig``. Returns (agent, run folder, stdout, stderr, seconds from the
-    signal to the end)."""
+    written, send rank 1 ``sig``. Returns (agent, run folder, {rank: pid}, time of the signal)."""
     out = tmp_path / "run"
     cmd = torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "data.batch_size=64",
                        "--set", "train.epochs=6", "--set", "checkpoint.every_steps=4",
@@ -299,7 +299,13 @@ def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int, sig=signal.SIG
     pids = worker_pids(agent.pid)
     assert set(pids) == {0, 1}, pids
     os.kill(pids[1], sig)
-    killed = time.monotonic()
+    return agent, out, pids, time.monotonic()
+
+
+def start_and_kill_rank_1(tmp_path, fashion_small, restarts: int):
+    """As above with SIGKILL; returns (agent, run folder, stdout, stderr, seconds from the kill
+    to the job's end)."""
+    agent, out, _, killed = start_and_signal_rank_1(tmp_path, fashion_small, restarts)
     o, e = agent.communicate(timeout=240)
     return agent, out, o, e, time.monotonic() - killed
 
@@ -324,12 +330,18 @@ def test_without_restarts_a_killed_worker_ends_the_job_naming_its_rank(tmp_path,
 
 def test_a_hung_worker_ends_the_job_after_the_timeout(tmp_path, fashion_small):
     """Rank 1 stopped (SIGSTOP) mid-run: rank 0's collective times out after
-    distributed.timeout_s (10 s) and it stops with an error; torchrun then kills rank 1 (it waits
-    30 s for a SIGTERM to work first)."""
-    agent, out, o, e, seconds = start_and_kill_rank_1(tmp_path, fashion_small, restarts=0, sig=signal.SIGSTOP)
-    assert agent.returncode != 0 and 10 <= seconds < 90, seconds
+    distributed.timeout_s (10 s) and it exits with an error, which ends the job: torchrun
+    stops the other workers (a stopped one only dies once continued, or by the SIGKILL torchrun
+    sends 30 s later; the test continues it to save those 30 s)."""
+    agent, out, pids, stopped = start_and_signal_rank_1(tmp_path, fashion_small, restarts=0, sig=signal.SIGSTOP)
+    while Path(f"/proc/{pids[0]}").exists() and time.monotonic() - stopped < 120:
+        time.sleep(0.05)
+    seconds = time.monotonic() - stopped
+    os.kill(pids[1], signal.SIGCONT)
+    o, e = agent.communicate(timeout=120)
+    assert agent.returncode != 0 and 10 <= seconds < 40, seconds
     assert "speedrun: error: rank 0/2: rank 0 of 2 lost contact with the other processes" in e
-    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", e), e[-3000:]
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*exitcode\s*:\s*1\b", e), e[-3000:]
     assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
 
 
