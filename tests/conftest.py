@@ -59,6 +59,21 @@ def isolated_env(tmp_path, monkeypatch):
 # Small real data sets, built once per session
 # ------------------------------------------------------------------------------------------
 
+@pytest.fixture
+def cli(capsys):
+    """``speedrun.cli.main`` in this process: (exit code, stderr)."""
+    from speedrun import cli as speedrun_cli
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            rc = speedrun_cli.main([str(a) for a in args])
+        except SystemExit as exc:                   # argparse
+            rc = exc.code
+        return rc, capsys.readouterr().err
+    return run
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory) -> Path:
     """A folder shared by every xdist worker of this session."""

@@ -157,7 +157,9 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fas
                            "--set", "data.batch_size=255", "--out", tmp_path / "odd"))
     assert odd.returncode != 0
     ours = [line for line in odd.stderr.splitlines() if line.startswith("speedrun: ")]
-    assert len(ours) == 2 and all("data.batch_size=255 does not split evenly over 2 processes" in x for x in ours)
+    # each rank refuses; the first to exit ends the job, so the other may be stopped before it prints
+    assert 1 <= len(ours) <= 2 and all("data.batch_size=255 does not split evenly over 2 processes" in x
+                                       for x in ours)
     # the one traceback is torchrun's own report of the failed workers, not ours
     assert odd.stderr.count("Traceback") == 1 and "ChildFailedError" in odd.stderr
     assert not (tmp_path / "odd").exists()

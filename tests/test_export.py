@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from speedrun import cli as speedrun_cli
 from speedrun.models import build_model
 from speedrun.recipe import recipe_from_dict
 from speedrun.use import export as export_module
@@ -140,19 +139,6 @@ def test_safetensors_loads_back_to_the_same_tensors(exported, reference):
 # ------------------------------------------------------------------------------------------
 # Refusals: one message, no traceback, nothing written
 # ------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def cli(capsys):
-    """``speedrun.cli.main`` in this process: (exit code, stderr)."""
-    def run(*args):
-        capsys.readouterr()
-        try:
-            rc = speedrun_cli.main([str(a) for a in args])
-        except SystemExit as exc:                   # argparse
-            rc = exc.code
-        return rc, capsys.readouterr().err
-    return run
-
 
 @pytest.fixture
 def run_copy(exported, tmp_path):

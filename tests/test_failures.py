@@ -27,7 +27,6 @@ import pytest
 import torch
 from PIL import Image
 
-from speedrun import cli as speedrun_cli
 from speedrun.errors import RunFolderError
 from speedrun.files import atomic_torch_save
 from speedrun.recipe import shipped_recipes
@@ -88,19 +87,6 @@ def isolated(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
     monkeypatch.setenv("SPEEDRUN_CRASH_DIR", str(tmp_path_factory.mktemp("crashes")))
     monkeypatch.setenv("SPEEDRUN_MIRROR", "http://127.0.0.1:9/")
-
-
-@pytest.fixture
-def cli(capsys):
-    """``speedrun.cli.main`` in this process: (exit code, stderr)."""
-    def run(*args):
-        capsys.readouterr()
-        try:
-            rc = speedrun_cli.main([str(a) for a in args])
-        except SystemExit as exc:                   # argparse
-            rc = exc.code
-        return rc, capsys.readouterr().err
-    return run
 
 
 @pytest.fixture

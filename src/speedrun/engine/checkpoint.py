@@ -31,6 +31,26 @@ def save(folder: Path, state: dict) -> Path:
     return path
 
 
+def read_torch_file(path: Path, what: str, where: str | None = None):
+    """``torch.load`` of a file of tensors (weights_only: no code runs), any failure a
+    CheckpointError naming the file (or ``where``) and ``what`` it should have held."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:                              # a truncated or foreign file
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(f"{where or path}: cannot read the {what} ({first}); the file is damaged or not "
+                              "speedrun's") from None
+
+
+def read_weights(path: Path, where: str | None = None) -> dict[str, torch.Tensor]:
+    """A model's weights (a run's model.pt): a non-empty dict of tensors."""
+    state = read_torch_file(path, "weights", where)
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{where or path}: holds no model weights (a dict of tensors is expected); it is "
+                              "not a speedrun run's model.pt")
+    return state
+
+
 def load(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
@@ -38,12 +58,7 @@ def load(path: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no checkpoint to resume from (runs write one when "
                               "checkpoint.every_steps or checkpoint.every_epochs is set)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:                              # a truncated or foreign file
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise CheckpointError(f"{path}: cannot read the checkpoint ({first}); it is damaged or not "
-                              "speedrun's") from None
+    state = read_torch_file(path, "checkpoint")
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a speedrun checkpoint (it holds a {type(state).__name__})")
     if state.get("format") != FORMAT:

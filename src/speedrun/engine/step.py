@@ -19,6 +19,7 @@ from ..data.mixing import mix_batch, mixed_loss
 from ..errors import CheckpointError, RecipeError
 from ..models import build_model
 from ..recipe import Recipe, load_recipe
+from .checkpoint import read_weights
 from .runtime import Runtime
 
 
@@ -65,13 +66,7 @@ def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_c
         teacher_recipe = load_recipe(str(config))
     except RecipeError as err:
         raise CheckpointError(f"{where}: its run's config.toml cannot be used ({err})") from None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:                          # truncated, not a torch file, or not weights only
-        raise CheckpointError(f"{where}: cannot read the weights ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{where}: holds no model weights (a state dict of tensors is expected)")
+    state = read_weights(path, where)
     heads = [v for v in state.values() if v.ndim == 2]
     convs = [v for v in state.values() if v.ndim == 4]
     if not heads or not convs:

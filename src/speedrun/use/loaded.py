@@ -23,6 +23,7 @@ from PIL import Image
 
 from ..data.folder import ImageList, decode, read_bytes
 from ..data.stream import Decoding, ImageItems, Unreadable
+from ..engine.checkpoint import read_weights
 from ..engine.runtime import Runtime, pick_device, resolve_runtime
 from ..errors import CheckpointError, DataError, RecordError, RunFolderError
 from ..files import read_text
@@ -107,18 +108,6 @@ def read_preprocessing(path: Path) -> dict:
     if c not in (1, 3) or len(pre["mean"]) != c or len(pre["std"]) != c or len(pre["image_size"]) != 2:
         raise RecordError(f"{path}: channels, mean, std and image_size do not agree; the file is damaged")
     return pre
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:                              # a truncated or foreign file
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise CheckpointError(f"{path}: cannot read the weights ({first}); the file is damaged or not "
-                              "speedrun's. Train the run again") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: holds no weights (a dict of tensors is expected); it is not speedrun's")
-    return state
 
 
 def load_run(run_dir: str | Path, device: str | torch.device | None = None) -> LoadedRun:
