@@ -22,7 +22,7 @@ def shared_data() -> Path:
 
 
 def pytest_configure(config):
-    # under xdist two workers share the 2 cores: one thread each, and the same for the
+    # under xdist the workers share the 2 cores: one thread each, and the same for the
     # speedrun processes the tests start
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
