@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from speedrun.models import BatchNorm, PatchWhitening
-from speedrun.optim import LAMB, LARS, build_optimizer, set_step_hyperparams
+from speedrun.optim import LAMB, LARS, SGD, build_optimizer
 from speedrun.recipe import NormConfig, OptimConfig
 
 
@@ -241,7 +241,7 @@ def _by_name(opt):
     return {g["name"]: g for g in opt.param_groups}
 
 
-@pytest.mark.parametrize("name, cls", [("sgd", torch.optim.SGD), ("lars", LARS), ("lamb", LAMB)])
+@pytest.mark.parametrize("name, cls", [("sgd", SGD), ("lars", LARS), ("lamb", LAMB)])
 @pytest.mark.parametrize("scaling, scale", [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)])
 def test_build_optimizer_picks_the_class_and_per_step_lr(name, cls, scaling, scale):
     cfg = OptimConfig(name=name, lr=2.0, ref_batch=256, lr_scaling=scaling, momentum=0.8,
@@ -289,18 +289,29 @@ def test_recipe_hyperparameters_reach_the_groups():
                for g in lamb.param_groups)
 
 
-@pytest.mark.parametrize("name", ["lars", "lamb"])
-def test_set_step_hyperparams_scales_layerwise_lrs(name):
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+def test_update_with_device_hyperparameters_equals_an_eager_step_with_those_values(name):
+    """The training step's update (schedule multiplier and momentum as 0-d tensors, a frozen
+    group decided by a device flag) does exactly what an eager step with the same values as
+    group floats does; LAMB keeps its betas, the frozen group does not move."""
     cfg = OptimConfig(name=name, lr=1.0, ref_batch=256, norm_bias_lr_mult=4.0)
-    opt = build_optimizer(_net(), cfg, 256)
-    base = {g["name"]: g["base_lr"] for g in opt.param_groups}
-    set_step_hyperparams(opt, 0.25, momentum=0.8, frozen=frozenset({"whiten_bias"}))
-    groups = _by_name(opt)
-    assert groups["whiten_bias"]["lr"] == 0
-    for role in ("weight", "bias", "norm_weight", "norm_bias"):
-        assert groups[role]["lr"] == pytest.approx(0.25 * base[role])
-    assert groups["norm_bias"]["lr"] == pytest.approx(4 * groups["weight"]["lr"])
-    if name == "lars":
-        assert all(g["momentum"] == 0.8 for g in opt.param_groups)
-    else:
-        assert all("momentum" not in g for g in opt.param_groups)     # LAMB's betas are left alone
+    nets = [_net(), _net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [build_optimizer(n, cfg, 256) for n in nets]
+    gen = torch.Generator().manual_seed(0)
+    whiten = _by_name(opts[0])["whiten_bias"]["params"][0]
+    whiten_before = whiten.detach().clone()
+    for step in range(2):
+        grads = [torch.randn(p.shape, generator=gen) for p in nets[0].parameters()]
+        for n in nets:
+            for p, g in zip(n.parameters(), grads):
+                p.grad = g.clone()
+        opts[0].update(torch.tensor(0.25), torch.tensor(0.8), frozenset({"whiten_bias"}), torch.tensor(True))
+        for g in opts[1].param_groups:
+            g["lr"] = 0.0 if g["name"] == "whiten_bias" else 0.25 * g["base_lr"]
+            if name != "lamb":
+                g["momentum"] = 0.8
+        opts[1].step()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.equal(whiten.detach(), whiten_before)

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from speedrun.models import BatchNorm, build_model
 from speedrun.optim import (WeightAverage, build_optimizer, classify, lr_multipliers, momenta,
-                            set_step_hyperparams)
+)
 from speedrun.recipe import (AveragingConfig, NormConfig, OneCycleSchedule, OptimConfig,
                              PiecewiseSchedule, load_recipe)
 
@@ -53,10 +53,9 @@ def _decay_after_one_step(lr, batch, mult=1.0, bias_mult=1.0):
             p.fill_(2.0)
     cfg = OptimConfig(lr=lr, ref_batch=100, momentum=0.0, weight_decay=0.01, norm_bias_lr_mult=bias_mult)
     opt = build_optimizer(net, cfg, batch)
-    set_step_hyperparams(opt, mult)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    opt.step()
+    opt.update(torch.tensor(mult))
     return {g["name"]: 1 - g["params"][0].detach().flatten()[0].item() / 2 for g in opt.param_groups}
 
 
@@ -71,11 +70,18 @@ def test_weight_decay_is_decoupled_from_the_learning_rate():
     assert _decay_after_one_step(lr=1.0, batch=100, mult=0.5)["weight"] == pytest.approx(0.005, rel=1e-5)
 
 
-def test_frozen_groups_get_zero_lr():
-    opt = build_optimizer(_net(), OptimConfig(lr=1.0, ref_batch=1024), 1024)
-    set_step_hyperparams(opt, 0.5, frozen=frozenset({"whiten_bias"}))
-    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
-    assert lrs["whiten_bias"] == 0 and lrs["weight"] == pytest.approx(0.5 * 0.1)
+@pytest.mark.parametrize("frozen_now", [True, False])
+def test_frozen_groups_get_zero_lr_while_the_device_flag_says_so(frozen_now):
+    net = _net()
+    opt = build_optimizer(net, OptimConfig(lr=1.0, ref_batch=1024, momentum=0.0, weight_decay=0.0), 1024)
+    before = {g["name"]: [p.detach().clone() for p in g["params"]] for g in opt.param_groups}
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.update(torch.tensor(0.5), frozen=frozenset({"whiten_bias"}), frozen_now=torch.tensor(frozen_now))
+    for g in opt.param_groups:              # w -= lr * 1 per element, lr = 0.5 * base, 0 when frozen
+        lr = 0.0 if (g["name"] == "whiten_bias" and frozen_now) else 0.5 * g["base_lr"]
+        for p, b in zip(g["params"], before[g["name"]]):
+            assert torch.allclose(b - p.detach(), torch.full_like(b, lr)), g["name"]
 
 
 def test_piecewise_schedule_endpoints_and_knots():

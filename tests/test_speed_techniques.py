@@ -76,7 +76,7 @@ def test_build_optimizer_routes_conv_filters_to_orthogonal_updates():
     state = opt.state_dict()
     opt2 = build_optimizer(net, cfg, 2000)
     opt2.load_state_dict(state)
-    assert opt2.param_groups[-1]["steps_taken"] == 1
+    assert opt2.param_groups[-1]["state"]["steps_taken"] == 1
 
 
 @pytest.mark.parametrize("tta", ["flip", "flip_translate"])

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speedrun.engine.loop import epoch_size
-from speedrun.engine.step import backward_in_micro_batches, distillation_loss
+from speedrun.engine.step import TrainStep, distillation_loss
 from speedrun.optim.schedule import lr_multipliers
 from speedrun.recipe import CosineSchedule, PolySchedule, StepSchedule, load_recipe
 
@@ -34,22 +34,30 @@ def _no_bn_model():
                          nn.Flatten(), nn.Linear(8 * 12 * 12, 10)).double()
 
 
-def _grads(k, x, y, smoothing=0.1):
+def _one_step(k, x, y):
+    """Weights and metrics after one real TrainStep (SGD with Nesterov momentum, label
+    smoothing, no averaging) of a batch-norm-free net in float64, in ``k`` micro-batches."""
+    from speedrun.engine.runtime import Runtime
+    from speedrun.recipe import load_recipe
     model = _no_bn_model()
-    loss_fn = lambda logits, xm, ym: F.cross_entropy(logits, ym, label_smoothing=smoothing)
-    loss, logits = backward_in_micro_batches(model, x, (y,), k, loss_fn)
-    return loss, logits, [p.grad.clone() for p in model.parameters()]
+    recipe = load_recipe("fashion-mnist", [f"train.accumulate={k}", f"data.batch_size={len(x)}",
+                                           "averaging.kind=none", "train.label_smoothing=0.1"])
+    step = TrainStep(recipe, Runtime(torch.device("cpu"), "fp32", False, False), model, model, 1, 1, [(28, 28)])
+    step.reset(0)
+    step(x, y)
+    return step.metrics[0], [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("n", [64, 62])          # 62 = uneven micro-batches (16, 16, 15, 15)
 def test_accumulating_four_micro_batches_equals_one_full_batch(fashion, n):
     x = (fashion.train_x[:n].double() / 255 - 0.29) / 0.35
     y = fashion.train_y[:n]
-    full_loss, full_logits, full = _grads(1, x, y)
-    acc_loss, acc_logits, acc = _grads(4, x, y)
-    assert torch.allclose(acc_loss, full_loss, rtol=1e-10) and torch.allclose(acc_logits, full_logits)
-    for a, b in zip(acc, full):
-        assert (a - b).norm() / b.norm() < 1e-5
+    (full_loss, full_correct, _), full = _one_step(1, x, y)
+    (acc_loss, acc_correct, _), acc = _one_step(4, x, y)
+    assert torch.allclose(acc_loss, full_loss, rtol=1e-6) and acc_correct == full_correct
+    initial = [p.detach() for p in _no_bn_model().parameters()]
+    for a, b, w in zip(acc, full, initial):
+        assert (a - b).norm() / (b - w).norm() < 1e-5        # the same step, relative to its size
 
 
 def test_training_with_accumulation_learns(fashion_small, tmp_path):

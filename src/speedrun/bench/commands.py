@@ -5,9 +5,11 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from rich.table import Table
 
-from ..data.dataset import open_source
+from ..data.augment import BatchAugment
+from ..data.dataset import open_pipeline, open_source
 from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
@@ -149,6 +151,46 @@ def ablate_command(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------
+def time_split(session: Session, steps: int = 20, seed: int = 0) -> dict:
+    """Seconds per step spent producing batches (data) and in the training step on them
+    (model), with a device sync between the two, on a throw-away run of ``session``."""
+    rt, recipe = session.runtime, session.recipe
+    session.reset(seed)
+    data = open_pipeline(session.source, recipe, rt, seed)
+    session.step.reset(seed)
+    gen = torch.Generator(device=rt.device)
+    gen.manual_seed(seed)
+    augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
+                           resized_crop=not data.crops_in_workers)
+    data_s = model_s = 0.0
+    done = epoch = 0
+    session.model.train()
+    while done < steps:
+        batches = data.epoch(epoch, recipe.data.batch_size, augment, gen)
+        while done < steps:
+            rt.synchronize()
+            t0 = time.perf_counter()
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                break
+            rt.synchronize()
+            t1 = time.perf_counter()
+            rt.mark_step()
+            session.step(x, y)
+            if (done + 1) % session.total_steps == 0:
+                session.step.counter.zero_()            # more steps asked for than a run has
+            rt.synchronize()
+            data_s += t1 - t0
+            model_s += time.perf_counter() - t1
+            done += 1
+        epoch += 1
+    session.reset(seed)
+    return {"steps": done, "data_seconds_per_step": data_s / done, "model_seconds_per_step": model_s / done,
+            "data_seconds_per_epoch": data_s / done * session.steps_per_epoch,
+            "model_seconds_per_epoch": model_s / done * session.steps_per_epoch}
+
+
 def flops_command(args) -> int:
     recipe, runtime = _recipe_and_runtime(args, [])
     if args.json:
@@ -160,7 +202,7 @@ def flops_command(args) -> int:
     name = device_name(runtime.device)
     peak = flops.known_peak(name, runtime.precision)
     measured = flops.measured_peak(runtime.device.type, runtime.precision)
-    split = session.time_split(args.steps)
+    split = time_split(session, args.steps)
     ideal = total["total_flops"] / (peak or measured)
     model_rate = per_image["train"] * recipe.data.batch_size / split["model_seconds_per_step"]
     record = {"recipe": recipe.name, "device_name": name, "precision": runtime.precision, **total,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 
 import torch
-import torch.nn.functional as F
 
 from ..optim.params import step_lr
 from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
@@ -16,16 +15,6 @@ def is_out_of_memory(err: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
     return isinstance(err, torch.OutOfMemoryError) or (
         isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
-
-
-def _try_step(model, forward, runtime, batch: int, in_channels: int, size: int, classes: int) -> None:
-    x = torch.randn(batch, in_channels, size, size, device=runtime.device, dtype=runtime.dtype)
-    y = torch.randint(0, classes, (batch,), device=runtime.device)
-    with runtime.autocast():
-        loss = F.cross_entropy(forward(x.contiguous(memory_format=runtime.memory_format)).float(), y)
-    loss.backward()
-    runtime.synchronize()
-    model.zero_grad(set_to_none=True)
 
 
 def _smaller(recipe: Recipe, batch: int, device) -> int:
@@ -57,22 +46,22 @@ def halve_batch(recipe: Recipe, runtime, say=print) -> Recipe:
     return _with_batch(recipe, _smaller(recipe, recipe.data.batch_size, runtime.device), runtime, say)
 
 
-def fit_batch(recipe: Recipe, model, forward, runtime, in_channels: int, size: int, classes: int,
-              say=print) -> Recipe:
+def fit_batch(recipe: Recipe, probe, runtime, say=print) -> Recipe:
     """The recipe with the largest data.batch_size (halving from the recipe's) whose training
-    step fits, probed on random data before the run."""
+    step fits: ``probe(recipe)`` runs one real training step of a recipe on random data (the
+    same :class:`~speedrun.engine.step.TrainStep` the run uses, optimizer state included)."""
     batch = recipe.data.batch_size
-    saved = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    candidate = recipe
     while True:
         try:
-            _try_step(model, forward, runtime, -(-batch // recipe.train.accumulate), in_channels, size, classes)
+            probe(candidate)
             break
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_out_of_memory(err):
                 raise
             del err
-            model.zero_grad(set_to_none=True)
             _free(runtime)
             batch = _smaller(recipe, batch, runtime.device)
-    model.load_state_dict(saved)
+            candidate = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]),
+                                         source=recipe.name)
     return recipe if batch == recipe.data.batch_size else _with_batch(recipe, batch, runtime, say)

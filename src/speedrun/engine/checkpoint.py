@@ -1,28 +1,29 @@
 """Checkpoints: everything needed to continue a run so that, on the CPU, the final weights
 equal an uninterrupted run's bit for bit.
 
-A checkpoint holds the model, the optimizer (momentum buffers), the loss scaler, the
-weight average, the step and the position in the epoch, the random-number states that
-decide the data order and augmentation (as they were when the epoch began, so the epoch's
-permutation can be drawn again), the host generator used for mixing, the partial metrics
-of the current epoch, the history so far and the clock. It is written whole to a
-temporary file and renamed into place.
+A checkpoint holds the model, the training step's state (optimizer buffers, weight
+average, loss scale, step counter and the metrics table of the run so far), the step and
+the position in the epoch, the random-number states that decide the data order and
+augmentation (as they were when the epoch began, so the epoch's permutation can be drawn
+again; mixing is drawn from the seed), the history so far and the clock. It is written
+whole to a temporary file and renamed into place. :func:`save_run` and :func:`restore_run`
+are the two ends.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RecipeError
 from ..files import atomic_torch_save
 
-FORMAT = 2
+FORMAT = 3                    # 3: the training step's state in one entry (2: torch.optim state, host mixing rng)
 NAME = "checkpoint.pt"
 KEYS = {"recipe": dict, "recipe_hash": str, "seed": int, "step": int, "epoch": int, "batch_in_epoch": int,
-        "model": dict, "optimizer": dict, "scaler": dict, "epoch_gen_state": torch.Tensor, "host_rng": dict,
-        "cpu_rng": torch.Tensor, "losses": torch.Tensor, "correct": torch.Tensor, "history": list,
-        "elapsed": float, "paused": dict}
+        "model": dict, "train_step": dict, "epoch_gen_state": torch.Tensor, "cpu_rng": torch.Tensor,
+        "history": list, "elapsed": float, "paused": dict}
 
 
 def save(folder: Path, state: dict) -> Path:
@@ -68,3 +69,36 @@ def load(path: str | Path) -> dict:
     if wrong:
         raise CheckpointError(f"{path}: incomplete checkpoint (missing or damaged: {', '.join(wrong)})")
     return state
+
+
+def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock) -> Path:
+    """Checkpoint a run in the middle of epoch ``st.epoch``, after ``batch_in_epoch`` of its
+    batches (``step``: the :class:`~speedrun.engine.step.TrainStep`, ``st``: the loop's
+    TrainState, ``clock``: its Clock)."""
+    return save(folder, {
+        "recipe": recipe.to_dict(), "recipe_hash": recipe.digest(), "seed": seed,
+        "step": st.step, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
+        "model": model.state_dict(), "train_step": step.state_dict(),
+        "epoch_gen_state": st.epoch_gen_state.cpu(), "cpu_rng": torch.get_rng_state(),
+        "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
+        "elapsed": clock.elapsed(), "paused": dict(clock.paused),
+    })
+
+
+def restore_run(state: dict, recipe, model, step, st) -> tuple[float, dict]:
+    """Put a checkpoint back into the model, the training step and the loop's TrainState;
+    returns the clock's (elapsed, paused) to continue from."""
+    from .loop import EpochRecord                 # (loop imports this module)
+    if state["recipe_hash"] != recipe.digest():
+        raise RecipeError("the checkpoint was written by a different recipe; resume with the run's own "
+                          "config.toml (speedrun train --resume RUN_DIR)")
+    model.load_state_dict(state["model"])
+    step.load_state_dict(state["train_step"])
+    # Generator.set_state takes a CPU byte tensor, for CUDA generators too
+    st.epoch_gen_state = state["epoch_gen_state"].cpu()
+    st.gen.set_state(st.epoch_gen_state)
+    torch.set_rng_state(state["cpu_rng"])
+    st.history = [EpochRecord(**h) for h in state["history"]]
+    st.step, st.epoch, st.skip = state["step"], state["epoch"], state["batch_in_epoch"]
+    st.nonfinite_run = state.get("nonfinite_run", 0)
+    return state["elapsed"], state["paused"]

@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..data.augment import BatchAugment
@@ -28,7 +27,6 @@ from ..data.dataset import open_pipeline, nearest_multiple
 from ..data.shard import Shard
 from ..errors import DataError, RecipeError
 from ..models import build_model
-from ..optim import build_averager, build_optimizer, lr_multipliers, momenta, set_step_hyperparams
 from ..recipe import Recipe, steps_per_epoch, total_steps
 from ..models.norm import BatchNorm
 from . import checkpoint as ckpt
@@ -37,10 +35,8 @@ from .batch_finder import fit_batch
 from .distributed import World
 from .evaluate import evaluate
 from .runtime import Runtime, compiled_graphs, compiled_model
-from .step import Objective, load_teacher
+from .step import TrainStep, load_teacher
 from .warmup import warm_up as run_warm_up
-
-WHITEN_FROZEN = frozenset({"whiten_bias"})
 
 NONFINITE_PATIENCE = 20
 """With fp16 loss scaling a step whose loss or gradients overflow is skipped by the scaler
@@ -94,7 +90,9 @@ class NonFiniteLoss(RuntimeError):
     def __init__(self, step: int, epoch: int, value: float, last_good: dict, last_good_step: int):
         self.step, self.epoch, self.value = step, epoch, value
         self.last_good, self.last_good_step = last_good, last_good_step
-        super().__init__(f"loss became {value} at step {step} (epoch {epoch}); training stopped")
+        what = f"loss became {value}" if not math.isfinite(value) else \
+            f"fp16 gradients overflowed on {NONFINITE_PATIENCE} steps in a row (the loss scale collapsed; loss {value:.4g})"
+        super().__init__(f"{what} at step {step} (epoch {epoch}); training stopped")
 
 
 class DataFailure(RuntimeError):
@@ -107,7 +105,7 @@ class DataFailure(RuntimeError):
 
 class NullProgress:
     def start(self, total_steps: int, epochs: int, batch_size: int) -> None: ...
-    def step(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
     def epoch(self, record: EpochRecord) -> None: ...
 
 
@@ -159,41 +157,39 @@ class Clock:
 
 @dataclass
 class TrainState:
-    """Everything a run changes as it trains, besides the model; what a checkpoint saves."""
-    opt: torch.optim.Optimizer
-    lrs: list[float]
-    moms: list[float] | None
-    averager: object
-    objective: Objective
+    """What a run changes as it trains besides the model and the step's own state (see
+    :class:`~speedrun.engine.step.TrainStep`); with that, what a checkpoint saves."""
     gen: torch.Generator
     augment: BatchAugment
-    host_rng: np.random.Generator
-    whiten_steps: int
     step: int = 0
     epoch: int = 0
     skip: int = 0                         # batches of ``epoch`` already trained (resume)
-    partial: tuple | None = None          # losses and correct count of those batches
     epoch_gen_state: torch.Tensor | None = None
     history: list[EpochRecord] = field(default_factory=list)
     nonfinite_run: int = 0
 
 
-def first_bad_step(losses: list[float], loss_scaling: bool, run_before: int = 0) -> tuple[int | None, int, int]:
+def first_bad_step(losses: list[float], loss_scaling: bool, run_before: int = 0,
+                   overflowed: list[float] | None = None) -> tuple[int | None, int, int]:
     """(index of the step that stops the run or None, steps skipped as overflows, the run of
-    non-finite losses at the end). Without loss scaling the first non-finite loss stops the
-    run; with it, only ``NONFINITE_PATIENCE`` in a row (counting ``run_before`` from the
-    previous epoch) do."""
-    run = run_before
-    for j, v in enumerate(losses):
-        if math.isfinite(v):
+    bad steps at the end). A step is bad when its loss is not finite or, with loss scaling,
+    when its gradients overflowed (``overflowed[j]`` > 0; the step was undone on the
+    device). Without loss scaling the first non-finite loss stops the run; with it, only
+    ``NONFINITE_PATIENCE`` bad steps in a row (counting ``run_before`` from the previous
+    epoch) do, so a collapsing loss scale stops the run even while the loss stays finite."""
+    flags = overflowed or [0.0] * len(losses)
+    run, skipped = run_before, 0
+    for j, (v, o) in enumerate(zip(losses, flags)):
+        if math.isfinite(v) and not (loss_scaling and o > 0):
             run = 0
             continue
         if not loss_scaling:
             return j, 0, 0
         run += 1
+        skipped += 1
         if run >= NONFINITE_PATIENCE:
             return j, 0, run
-    return None, sum(not math.isfinite(v) for v in losses), run
+    return None, skipped, run
 
 
 def local_batch(recipe: Recipe, world: World) -> int:
@@ -222,7 +218,10 @@ def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
 
 
 class Session:
-    """One recipe on one device, in one process of ``world`` (default: the only one).
+    """One recipe on one device, in one process of ``world`` (default: the only one). Its
+    three jobs: build the model and its training step for the runtime (once per process,
+    compiled and warmed up where the runtime compiles); train from a seed (:meth:`run`);
+    continue a run from a checkpoint (:meth:`run` with ``resume``).
 
     ``warm_up``: run the warm-up even without compilation (benchmarks do, so that one-time
     costs such as kernel selection stay out of the first timed run)."""
@@ -232,16 +231,16 @@ class Session:
         self.recipe, self.source, self.runtime, self.world = recipe, source, runtime, world
         runtime.activate()
         self.model, self.forward = self._build(recipe.train.seed)
+        self.teacher = load_teacher(recipe.distill.teacher, runtime, source.in_channels,
+                                    source.num_classes) if recipe.distill.teacher else None
         if recipe.runtime.find_batch:
-            self.recipe = recipe = fit_batch(recipe, self.model, self.forward, runtime, source.in_channels,
-                                             source.image_size[0], source.num_classes, say)
+            self.recipe = recipe = fit_batch(recipe, self._probe, runtime, say)
         self.local_batch = local_batch(recipe, world)
         self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        self.teacher = load_teacher(recipe.distill.teacher, runtime.device, source.in_channels,
-                                    source.num_classes) if recipe.distill.teacher else None
+        self.step = self._train_step(recipe)
         self.compile_seconds = 0.0
         if runtime.compile or warm_up:
             self.compile_seconds = run_warm_up(self)
@@ -256,14 +255,18 @@ class Session:
     def dataset(self, source) -> None:
         self.source = source
 
+    # ------------------------------------------------------------------------------------
+    # Building
+    # ------------------------------------------------------------------------------------
     def _fresh_model(self, seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return build_model(self.recipe.model, self.source.in_channels, self.source.num_classes)
 
     def _build(self, seed: int):
-        """(model on the device, forward): batch norm joined to its process group, the start
-        checked identical on every rank, wrapped for data parallelism, and compiled once per
-        process for a given model."""
+        """(model on the device, forward for evaluation): batch norm joined to its process
+        group, the start checked identical on every rank, wrapped for data parallelism, and
+        compiled once per process for a given model. The training step calls the wrapped
+        model (``self.module``) inside its own compiled program."""
         rt, world = self.runtime, self.world
 
         def build():
@@ -277,14 +280,48 @@ class Session:
         wrap = lambda model: distributed.wrap(model, self.recipe.distributed, world, rt.device)
         if not rt.compile:
             model = build()
-            return model, wrap(model)
+            self.module = wrap(model)
+            return model, self.module
         key = (self.recipe.model.model_dump_json(), self.source.in_channels, self.source.num_classes,
                str(rt.device), rt.precision, rt.channels_last, rt.compile_mode, rt.compile_backend, world.size)
         model, forward, reused = compiled_model(key, build, rt, wrap)
+        self.module = getattr(forward, "_orig_mod", forward)
         if reused:                                      # as built from the seed, but in the same tensors
             model.load_state_dict(self._fresh_model(seed).state_dict())
             model.zero_grad(set_to_none=True)
         return model, forward
+
+    def step_sizes(self, recipe: Recipe, total: int, spe: int) -> list[tuple[int, int]]:
+        """The (height, width) of the training batches at each step (progressive resizing)."""
+        full = self.source.image_size
+        sizes = []
+        for e in range(math.ceil(total / spe)):
+            s = epoch_size(recipe, e, full[0])
+            sizes += [full if s == full[0] else (s, s)] * spe
+        return sizes[:total]
+
+    def _train_step(self, recipe: Recipe) -> TrainStep:
+        total = total_steps(recipe, len(self.source.train_y))
+        spe = steps_per_epoch(len(self.source.train_y), recipe.data.batch_size)
+        return TrainStep(recipe, self.runtime, self.model, self.module, total, spe, self.step_sizes(recipe, total, spe),
+                         self.teacher, no_sync=lambda: distributed.no_sync(self.module))
+
+    def _probe(self, recipe: Recipe) -> None:
+        """One training step of ``recipe`` on random data (the batch finder's test of fit)."""
+        rt, src = self.runtime, self.source
+        step = self._train_step(recipe)
+        step.idle()
+        batch = recipe.data.batch_size
+        x = torch.randn(batch, src.in_channels, *src.image_size, device=rt.device, dtype=rt.dtype)
+        y = torch.randint(0, src.num_classes, (batch,), device=rt.device)
+        saved = _snapshot(self.model)
+        try:
+            step(x.contiguous(memory_format=rt.memory_format), y)
+            rt.synchronize()
+        finally:
+            self.model.load_state_dict(saved)
+            for p in self.model.parameters():
+                p.grad = None
 
     def reset(self, seed: int) -> None:
         """Re-initialise the model from ``seed`` (construction, then a copy onto the device)."""
@@ -296,22 +333,16 @@ class Session:
         full = self.source.image_size[0]
         return sorted({epoch_size(self.recipe, e, full) for e in range(self.n_epochs)})
 
-    # ------------------------------------------------------------------------------------
     def _train_state(self, data, seed: int) -> TrainState:
-        r, rt, spe, total = self.recipe, self.runtime, self.steps_per_epoch, self.total_steps
-        gen = torch.Generator(device=rt.device)
+        gen = torch.Generator(device=self.runtime.device)
         gen.manual_seed(seed)
-        return TrainState(
-            opt=build_optimizer(self.model, r.optim, r.data.batch_size),
-            lrs=lr_multipliers(r.schedule, total, spe), moms=momenta(r.schedule, r.optim.momentum, total),
-            averager=build_averager(self.model, r.averaging, total),
-            objective=Objective(r, rt, self.forward, self.teacher, no_sync=lambda: distributed.no_sync(self.forward)),
-            gen=gen,
-            augment=BatchAugment(r.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
-                                 resized_crop=not data.crops_in_workers),
-            host_rng=np.random.default_rng(seed),
-            whiten_steps=round(r.model.whiten.train_bias_epochs * spe) if getattr(self.model, "whiten", None) else 0)
+        return TrainState(gen=gen, augment=BatchAugment(self.recipe.augment, data.n_train, data.image_size, gen,
+                                                        self.runtime.device, data.mean, data.std,
+                                                        resized_crop=not data.crops_in_workers))
 
+    # ------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------
     def run(self, seed: int | None = None, progress=None, on_epoch=None, checkpoint_dir: Path | None = None,
             resume: dict | None = None, on_steps=None) -> RunResult:
         """Train from a fresh initialisation (or from the checkpoint ``resume``);
@@ -332,28 +363,28 @@ class Session:
         whiten = getattr(model, "whiten", None)
         if whiten is not None and resume is None:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
+        self.step.reset(seed)                           # (the average starts from the fitted whitening)
         st = self._train_state(data, seed)
         if resume is not None:
-            clock = self._restore(resume, st)
-        # looked up after any restore: load_state_dict replaces the optimizer's group dicts
-        weight_group = next(g for g in st.opt.param_groups if g["name"] in ("weight", "filters"))
+            clock = Clock(rt, *ckpt.restore_run(resume, self.recipe, model, self.step, st))
+        base_lr = next(g for g in self.step.opt.param_groups if g["name"] in ("weight", "filters"))["base_lr"]
         with clock.pause("bookkeeping"):
             last_good = LastGood(model, st.step)
 
         try:
             for epoch in range(st.epoch, self.n_epochs):
                 st.epoch = epoch
-                losses, correct, first = self._train_epoch(data, st, progress, clock, seed, checkpoint_dir)
+                first = self._train_epoch(data, st, progress, clock, seed, checkpoint_dir)
                 with clock.pause("bookkeeping"):
-                    rec, step_losses = self._check_epoch(st, losses, correct, first, last_good, weight_group["lr"])
+                    rec, step_losses = self._check_epoch(st, first, last_good, base_lr * self.step.lrs[st.step - 1])
                     last_good.take(model, st.step)
                     if on_steps is not None:
-                        base_lr = weight_group["base_lr"]
                         on_steps(EpochSteps(epoch + 1, first + 1, step_losses,
-                                            [base_lr * m for m in st.lrs[first:st.step]],
-                                            st.moms[first:st.step] if st.moms else None))
+                                            [base_lr * m for m in self.step.lrs[first:st.step]],
+                                            self.step.moms[first:st.step] if self.step.moms else None))
                 if r.eval.every and (epoch + 1) % r.eval.every == 0 and epoch + 1 < self.n_epochs:
-                    with clock.pause("monitor"), (st.averager.applied() if st.averager else nullcontext()):
+                    averager = self.step.averager
+                    with clock.pause("monitor"), (averager.applied() if averager else nullcontext()):
                         _, plain, n_test = self._evaluate(data, "none", 1.0).tolist()
                         rec.test_acc = plain / n_test
                 rec.seconds = clock.seconds()
@@ -365,8 +396,8 @@ class Session:
                             on_epoch(rec)
 
             # --- final evaluation, with the recipe's TTA --------------------------------------
-            if st.averager is not None:
-                st.averager.finalize()
+            if self.step.averager is not None:
+                self.step.averager.finalize()
             c_tta, c_plain, n_test = self._evaluate(data, r.eval.tta, r.eval.tta_fraction).tolist()
         except DataError as err:
             if st.step == 0:
@@ -396,123 +427,45 @@ class Session:
         counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
         return distributed.all_reduce_sum(counts, self.world)
 
-    def _train_epoch(self, data, st: TrainState, progress, clock: Clock, seed: int, checkpoint_dir):
-        """One epoch of training steps; returns the per-step losses and the correct count (on
-        the device) and the step number the epoch started at."""
+    def _train_epoch(self, data, st: TrainState, progress, clock: Clock, seed: int, checkpoint_dir) -> int:
+        """One epoch of training steps (their losses and correct counts land in the step's
+        metrics table, on the device); returns the step number the epoch started at."""
         r, rt, spe = self.recipe, self.runtime, self.steps_per_epoch
         every = r.checkpoint.every_steps or (round(r.checkpoint.every_epochs * spe) if r.checkpoint.every_epochs else 0)
-        losses = torch.zeros(spe, device=rt.device)
-        correct = torch.zeros((), dtype=torch.int64, device=rt.device)
         skip = st.skip
-        if st.partial is not None:
-            losses[:skip], correct = st.partial[0].to(rt.device), st.partial[1].to(rt.device)
-        else:
+        if not skip:
             st.epoch_gen_state = st.gen.get_state()
-        st.partial, st.skip = None, 0
+        st.skip = 0
         first = st.step - skip
         size = epoch_size(r, st.epoch, data.image_size[0])
         for i, (x, y) in enumerate(data.epoch(st.epoch, r.data.batch_size, st.augment, st.gen, size=size, skip=skip),
                                    start=skip):
             if st.step == self.total_steps:
                 break
-            set_step_hyperparams(st.opt, st.lrs[st.step], st.moms[st.step] if st.moms else None,
-                                 WHITEN_FROZEN if st.step >= st.whiten_steps else frozenset())
             rt.mark_step()
-            loss, n_correct = st.objective.step(st.opt, x, y, st.host_rng)
+            self.step(x, y)
             st.step += 1
-            if st.averager is not None:
-                st.averager.update(st.step)
-            losses[i] = loss
-            correct += n_correct
-            progress.step(loss)
+            progress.step()
             if checkpoint_dir is not None and every and st.step % every == 0 and st.step < self.total_steps:
                 with clock.pause("bookkeeping"):
-                    self._save(checkpoint_dir, seed, st, i + 1, losses[:i + 1], correct, clock)
-        return losses[:st.step - first], correct, first
+                    ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, i + 1, clock)
+        return first
 
-    def _check_epoch(self, st: TrainState, losses, correct, first: int, last_good: LastGood,
-                     lr: float) -> tuple[EpochRecord, list[float]]:
+    def _check_epoch(self, st: TrainState, first: int, last_good: LastGood, lr: float) -> tuple[EpochRecord, list[float]]:
         """Read the epoch's metrics back (the record and the per-step losses, averaged over
-        ranks); stop on a non-finite loss (see :func:`first_bad_step`)."""
-        n = len(losses)
+        ranks); stop on a non-finite loss or a collapsed loss scale (see :func:`first_bad_step`)."""
         w = self.world
-        summed = distributed.all_reduce_sum(torch.cat([losses, correct.float()[None]]), w)   # ranks' means, counts
-        host = torch.cat([summed[:-1] / w.size, summed[-1:]]).tolist()
-        step_losses, n_correct = host[:-1], host[-1]
-        scaling = st.objective.scaler.is_enabled()
-        bad, skipped, st.nonfinite_run = first_bad_step(step_losses, scaling, st.nonfinite_run)
+        rows = self.step.metrics[first:st.step]                    # loss, correct, overflowed per step
+        n = len(rows)
+        summed = distributed.all_reduce_sum(rows.clone(), w).tolist()   # ranks' losses, counts, flags; one read
+        losses = [row[0] / w.size for row in summed]
+        correct = sum(row[1] for row in summed)
+        overflowed = [row[2] for row in summed]
+        scaling = self.step.scaler is not None
+        bad, skipped, st.nonfinite_run = first_bad_step(losses, scaling, st.nonfinite_run, overflowed)
         if bad is not None:
-            raise NonFiniteLoss(first + bad + 1, st.epoch + 1, step_losses[bad], last_good.state, last_good.step)
-        finite = [v for v in step_losses if math.isfinite(v)]
+            raise NonFiniteLoss(first + bad + 1, st.epoch + 1, losses[bad], last_good.state, last_good.step)
+        finite = [v for v, o in zip(losses, overflowed) if math.isfinite(v) and not o]
         mean_loss = sum(finite) / len(finite) if finite else math.nan
-        return EpochRecord(st.epoch + 1, mean_loss, n_correct / (n * self.recipe.data.batch_size), None, lr, 0.0,
-                           skipped), step_losses
-
-    # ------------------------------------------------------------------------------------
-    def _save(self, folder, seed: int, st: TrainState, batch_in_epoch: int, losses, correct, clock: Clock) -> None:
-        ckpt.save(folder, {
-            "recipe": self.recipe.to_dict(), "recipe_hash": self.recipe.digest(), "seed": seed,
-            "step": st.step, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
-            "model": self.model.state_dict(), "optimizer": st.opt.state_dict(),
-            "scaler": st.objective.scaler.state_dict(),
-            "averager": st.averager.shadow if st.averager is not None else None,
-            "epoch_gen_state": st.epoch_gen_state.cpu(), "host_rng": st.host_rng.bit_generator.state,
-            "cpu_rng": torch.get_rng_state(),
-            "losses": losses.detach().cpu(), "correct": correct.detach().cpu(),
-            "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
-            "elapsed": clock.elapsed(), "paused": dict(clock.paused),
-        })
-
-    def _restore(self, state: dict, st: TrainState) -> Clock:
-        if state["recipe_hash"] != self.recipe.digest():
-            raise RecipeError("the checkpoint was written by a different recipe; resume with the run's own "
-                              "config.toml (speedrun train --resume RUN_DIR)")
-        self.model.load_state_dict(state["model"])
-        st.opt.load_state_dict(state["optimizer"])
-        st.objective.scaler.load_state_dict(state["scaler"])
-        if st.averager is not None and state["averager"] is not None:
-            torch._foreach_copy_(st.averager.shadow, [t.to(self.runtime.device) for t in state["averager"]])
-        # Generator.set_state takes a CPU byte tensor, for CUDA generators too
-        st.epoch_gen_state = state["epoch_gen_state"].cpu()
-        st.gen.set_state(st.epoch_gen_state)
-        st.host_rng.bit_generator.state = state["host_rng"]
-        torch.set_rng_state(state["cpu_rng"])
-        st.history = [EpochRecord(**h) for h in state["history"]]
-        st.step, st.epoch, st.skip = state["step"], state["epoch"], state["batch_in_epoch"]
-        st.partial = (state["losses"], state["correct"])
-        st.nonfinite_run = state.get("nonfinite_run", 0)
-        return Clock(self.runtime, state["elapsed"], state["paused"])
-
-    def time_split(self, steps: int = 20, seed: int = 0) -> dict:
-        """Seconds per step spent producing batches (data) and training on them (model),
-        measured with a device sync between the two, on a throw-away copy of the run."""
-        rt = self.runtime
-        self.reset(seed)
-        data = open_pipeline(self.source, self.recipe, rt, seed)
-        st = self._train_state(data, seed)
-        data_s = model_s = 0.0
-        done = 0
-        self.model.train()
-        epoch = 0
-        while done < steps:
-            batches = data.epoch(epoch, self.recipe.data.batch_size, st.augment, st.gen)
-            while done < steps:
-                rt.synchronize()
-                t0 = time.perf_counter()
-                try:
-                    x, y = next(batches)
-                except StopIteration:
-                    break
-                rt.synchronize()
-                t1 = time.perf_counter()
-                rt.mark_step()
-                st.objective.step(st.opt, x, y, st.host_rng)
-                rt.synchronize()
-                data_s += t1 - t0
-                model_s += time.perf_counter() - t1
-                done += 1
-            epoch += 1
-        self._reset_for = None
-        return {"steps": done, "data_seconds_per_step": data_s / done, "model_seconds_per_step": model_s / done,
-                "data_seconds_per_epoch": data_s / done * self.steps_per_epoch,
-                "model_seconds_per_epoch": model_s / done * self.steps_per_epoch}
+        return EpochRecord(st.epoch + 1, mean_loss, correct / (n * self.recipe.data.batch_size), None, lr, 0.0,
+                           skipped), losses

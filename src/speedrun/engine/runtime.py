@@ -165,10 +165,17 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime,
         dynamo.reset()
     _current = None                                   # free the old model before building the new one
     model = build()
-    mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
-    forward = torch.compile(wrap(model), dynamic=False, mode=mode, backend=runtime.compile_backend)
+    forward = compile_function(wrap(model), runtime)
     _current = _Compiled(key, model, forward)
     return model, forward, False
+
+
+def compile_function(fn, runtime: Runtime):
+    """``fn`` (a function or module) compiled as the runtime says: static shapes (each shape a
+    run uses is compiled once, in the warm-up), its mode with inductor (other backends take
+    no mode) and its backend."""
+    mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
+    return torch.compile(fn, dynamic=False, mode=mode, backend=runtime.compile_backend)
 
 
 def compiled_graphs() -> int:

@@ -1,26 +1,50 @@
-"""One optimizer step: the loss (label smoothing, mixup/CutMix targets, distillation) and
-the backward pass over micro-batches, with fp16 loss scaling where needed.
+"""One training step, top to bottom: the only place in the training code that runs a
+backward pass. Training, the warm-up, the batch finder and the data/model time split all
+call :class:`TrainStep`.
 
-Gradient accumulation splits each batch into ``train.accumulate`` micro-batches and weights
-each micro-batch's mean loss by its share of the batch, so the summed gradient equals the
-full batch's for any split, uneven ones included (only batch-norm statistics differ).
+A step, for a batch ``(x, y)`` already augmented by the data pipeline:
+
+1. **Forward and loss** (``_forward_loss``), once per micro-batch: the step's mixup/CutMix
+   draws are looked up on the device, autocast runs the model, the loss (label smoothing,
+   mixed labels, distillation from a teacher) is weighted by the micro-batch's share of the
+   batch and, with fp16, multiplied by the loss scale. Compiled, this is one graph, and
+   AOTAutograd compiles its backward as a second one.
+2. **Backward**, once per micro-batch; under data parallelism every micro-batch but the
+   last runs in ``no_sync()``, so gradients are all-reduced once per step.
+3. **Update** (``_update``): the schedule's LR and momentum for this step, read from device
+   tables with the step counter; with fp16, the gradients unscaled and checked for overflow
+   on the device (an overflowing step is undone on the device, not skipped by a host
+   decision); the optimizer (SGD groups, LARS/LAMB, orthogonal filter updates); the weight
+   averaging (its every-N condition on the device); the step's loss, correct count and
+   overflow flag written into the run's metrics table; the counter advanced. Compiled,
+   this is the third graph.
+
+Everything that changes from step to step (the counter, LR and momentum, the averaging
+decay and its every-N condition, the whitening-bias freeze, mixing weights and CutMix boxes,
+the loss scale) is a device tensor, so the compiled step never recompiles as the run
+advances, and nothing in a step reads a value back to the host: the loop reads the metrics
+table once per epoch. ``benchmarks/step_structure.py`` counts graphs, graph breaks, eager
+ops and host syncs per step, and tests keep them from creeping back.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data.mixing import mix_batch, mixed_loss
+from ..data.mixing import MixPlan, apply_mix, mixed_loss
 from ..errors import CheckpointError, RecipeError
 from ..models import build_model
+from ..optim import build_averager, build_optimizer, lr_multipliers, momenta
 from ..recipe import Recipe, load_recipe
 from .checkpoint import read_weights
-from .runtime import Runtime
+from .runtime import Runtime, compile_function
+
+WHITEN_FROZEN = frozenset({"whiten_bias"})
+"""Parameter groups whose LR drops to 0 after ``model.whiten.train_bias_epochs``."""
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -31,29 +55,10 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
                     reduction="batchmean", log_target=True) * t * t
 
 
-def backward_in_micro_batches(forward, x: torch.Tensor, targets: tuple, k: int, loss_fn,
-                              scale=lambda loss: loss, no_sync=nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward over ``k`` micro-batches of (x, *targets); returns (mean loss, logits) of the
-    whole batch, detached. ``loss_fn(logits, x_micro, *targets_micro)`` returns a mean loss.
-    Under data parallelism, gradients are all-reduced once, with the last micro-batch's
-    backward: the others run inside ``no_sync()``."""
-    n = len(x)
-    total, outputs = None, []
-    for i, xm in enumerate(x.tensor_split(k)):
-        tm = [t.tensor_split(k)[i] if isinstance(t, torch.Tensor) else t for t in targets]
-        with no_sync() if i < k - 1 else nullcontext():
-            logits = forward(xm)
-            loss = loss_fn(logits, xm, *tm) * (len(xm) / n)
-            scale(loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-        # under CUDA graphs the next micro-batch's replay overwrites this output: keep a copy
-        outputs.append(logits.detach() if k == 1 else logits.detach().clone())
-    return total, outputs[0] if k == 1 else torch.cat(outputs)
-
-
-def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_classes: int) -> nn.Module:
-    """A teacher model from a run's ``model.pt`` and the ``config.toml`` beside it; any
-    problem is a :class:`CheckpointError` naming ``distill.teacher``."""
+def load_teacher(path: str | Path, runtime: Runtime, in_channels: int, num_classes: int) -> nn.Module:
+    """A teacher model from a run's ``model.pt`` and the ``config.toml`` beside it, on the
+    runtime's device and in its memory layout (compiled with the step where the step is);
+    any problem is a :class:`CheckpointError` naming ``distill.teacher``."""
     path = Path(path).expanduser()
     config = path.parent / "config.toml"
     where = f"distill.teacher={path}"
@@ -81,50 +86,189 @@ def load_teacher(path: str | Path, device: torch.device, in_channels: int, num_c
     except RuntimeError as err:
         raise CheckpointError(f"{where}: the weights do not fit the model of its config.toml "
                               f"({str(err).splitlines()[0][:200]})") from None
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(runtime.device, memory_format=runtime.memory_format).eval().requires_grad_(False)
 
 
-class Objective:
-    """Computes and back-propagates the recipe's loss for a batch."""
+class LossScale:
+    """Dynamic fp16 loss scaling on the device (the rule of torch.amp.GradScaler, with its
+    defaults: start at 2**16, halve on overflow, double after 2,000 clean steps), without
+    GradScaler's read-back of the overflow flag at every step."""
 
-    def __init__(self, recipe: Recipe, runtime: Runtime, forward, teacher: nn.Module | None = None,
+    INIT, GROWTH, BACKOFF, INTERVAL = 2.0 ** 16, 2.0, 0.5, 2000
+
+    def __init__(self, device: torch.device):
+        self.scale = torch.full((), self.INIT, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+
+    def reset(self) -> None:
+        self.scale.fill_(self.INIT)
+        self.growth_tracker.zero_()
+
+    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide the gradients by the scale in place; returns the overflow flag (1-element
+        float tensor: 1 where any gradient is inf or NaN)."""
+        found = torch.zeros(1, device=self.scale.device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.scale.reciprocal())
+        return found
+
+    def update(self, found: torch.Tensor) -> None:
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.GROWTH, self.BACKOFF, self.INTERVAL)
+
+
+class TrainStep:
+    """One optimizer step of ``recipe`` for ``model``, called with a batch: see the module
+    docstring. ``module`` is what the forward calls (the model, or its DDP wrapper); the
+    optimizer, averaging and loss-scale state, the schedule tables, the step counter and
+    the run's metrics table are allocated once and reset in place for each run, so a
+    compiled step is compiled once per process and serves every run of a benchmark."""
+
+    def __init__(self, recipe: Recipe, runtime: Runtime, model: nn.Module, module: nn.Module, total_steps: int,
+                 steps_per_epoch: int, step_sizes: list[tuple[int, int]], teacher: nn.Module | None = None,
                  no_sync=nullcontext):
-        self.r, self.rt, self.forward, self.teacher, self.no_sync = recipe, runtime, forward, teacher, no_sync
-        a = recipe.augment
+        r, device = recipe, runtime.device
+        self.r, self.rt, self.model, self.module, self.teacher = r, runtime, model, module, teacher
+        self.no_sync, self.total, self.step_sizes = no_sync, total_steps, step_sizes
+        self.k = r.train.accumulate
+        self.opt = build_optimizer(model, r.optim, r.data.batch_size)
+        self.averager = build_averager(model, r.averaging, total_steps)
+        self.scaler = LossScale(device) if runtime.precision == "fp16" else None
+        # the schedule, per step: on the host for logs, on the device for the step
+        self.lrs = lr_multipliers(r.schedule, total_steps, steps_per_epoch)
+        self.moms = momenta(r.schedule, r.optim.momentum, total_steps)
+        self.lr_table = torch.tensor(self.lrs, dtype=torch.float32, device=device)
+        self.mom_table = None if self.moms is None else torch.tensor(self.moms, dtype=torch.float32, device=device)
+        whitened = getattr(model, "whiten", None) is not None
+        self.whiten_steps = round(r.model.whiten.train_bias_epochs * steps_per_epoch) if whitened else 0
+        a = r.augment
         self.mixing = a.mixup > 0 or a.cutmix > 0
-        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.precision == "fp16")
+        self.mix = MixPlan(a.mixup, a.cutmix, a.mix_prob, step_sizes, r.train.seed, device) if self.mixing else None
+        self.counter = torch.zeros((), dtype=torch.int64, device=device)
+        self.metrics = torch.zeros(total_steps, 3, device=device)     # loss, correct count, overflow skipped
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self._forward_loss, self._update = self.forward_loss, self.update
+        if runtime.compile:
+            if runtime.cuda_graphs:                   # CUDA graphs keep state tensors at fixed addresses
+                for t in self.state_tensors():
+                    torch._dynamo.mark_static_address(t)
+            self._forward_loss = compile_function(self.forward_loss, runtime)
+            self._update = compile_function(self.update, runtime)
 
-    def _loss(self, logits, x, y, y_partner, lam):
+    # ======================================================================================
+    # The step
+    # ======================================================================================
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Train on one batch; its loss and correct count go to :attr:`metrics`."""
+        losses, corrects = [], []
+        copy_outputs = self.k > 1 and self.rt.cuda_graphs     # the next replay would overwrite them
+        for i, (xm, ym) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k))):
+            with self.no_sync() if i < self.k - 1 else nullcontext():
+                scaled, loss, correct = self._forward_loss(xm, ym, len(xm) / len(x))
+                scaled.backward()
+            losses.append(loss.clone() if copy_outputs else loss)
+            corrects.append(correct.clone() if copy_outputs else correct)
+        self._update(losses, corrects)
+        for p in self.params:
+            p.grad = None
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float):
+        """(loss to back-propagate, loss, correct count) of one micro-batch that is ``share``
+        of the batch."""
         r = self.r
-        logits = logits.float()
-        loss = mixed_loss(logits, y, y_partner, lam, r.train.label_smoothing) if self.mixing else \
-            F.cross_entropy(logits, y, label_smoothing=r.train.label_smoothing)
+        with self.rt.autocast():
+            if self.mixing:
+                pixel_lam, box, lam = self.mix.at(self.counter)
+                x = apply_mix(x, pixel_lam, box)
+            logits = self.module(x).float()
+        smoothing = r.train.label_smoothing
+        loss = mixed_loss(logits, y, y.flip(0), lam, smoothing) if self.mixing else \
+            F.cross_entropy(logits, y, label_smoothing=smoothing)
         if self.teacher is not None:
             with torch.no_grad(), self.rt.autocast():
                 t_logits = self.teacher(x).float()
             d = r.distill
             loss = (1 - d.alpha) * loss + d.alpha * distillation_loss(logits, t_logits, d.temperature)
-        return loss
+        loss = loss * share
+        correct = (logits.argmax(1) == y).sum()
+        scaled = loss * self.scaler.scale if self.scaler is not None else loss
+        return scaled, loss.detach(), correct
 
-    def step(self, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward and optimizer step; returns (loss, correct count) on the device."""
-        a = self.r.augment
-        if self.mixing:
-            x, y, y_partner, lam = mix_batch(x, y, a.mixup, a.cutmix, a.mix_prob, rng)
-        else:
-            y_partner, lam = y, 1.0
+    @torch.no_grad()
+    def update(self, losses: list[torch.Tensor], corrects: list[torch.Tensor]) -> None:
+        """The optimizer and averaging update after the backward passes, and the step's
+        metrics; see the module docstring."""
+        step = self.counter
+        at = step.reshape(1)
+        lr_mult = self.lr_table.index_select(0, at)[0]
+        momentum = None if self.mom_table is None else self.mom_table.index_select(0, at)[0]
+        overflow = torch.zeros(1, device=step.device)
+        if self.scaler is not None:
+            overflow = self.scaler.unscale([p.grad for p in self.params if p.grad is not None])
+            before = [t.clone() for t in self.params + self.opt.state_tensors()]
+        self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps)
+        if self.scaler is not None:                   # an overflowing step leaves weights and state as they were
+            after = self.params + self.opt.state_tensors()
+            torch._foreach_copy_(after, [torch.where(overflow[0] > 0, b, a) for b, a in zip(before, after)])
+            self.scaler.update(overflow)
+        if self.averager is not None:
+            self.averager.update(step + 1)
+        row = torch.stack([sum(losses), sum(corrects).float(), overflow[0]])
+        self.metrics.index_copy_(0, at, row[None])
+        self.counter.add_(1)
 
-        def forward(xm):
-            with self.rt.autocast():
-                return self.forward(xm)
+    # ======================================================================================
+    # State: per run, checkpoints
+    # ======================================================================================
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step changes besides the model's own."""
+        out = self.opt.state_tensors() + [self.counter, self.metrics, self.lr_table]
+        if self.mom_table is not None:
+            out.append(self.mom_table)
+        if self.averager is not None:
+            out += self.averager.shadow
+        if self.scaler is not None:
+            out += [self.scaler.scale, self.scaler.growth_tracker]
+        if self.mix is not None:
+            out += [self.mix.pixel_lam, self.mix.box, self.mix.loss_lam]
+        return out
 
-        loss, logits = backward_in_micro_batches(forward, x, (y, y_partner, lam), self.r.train.accumulate,
-                                                 self._loss, self.scaler.scale, self.no_sync)
-        if self.scaler.is_enabled():
-            self.scaler.step(opt)             # skips the step (and lowers the scale) on inf/NaN
-            self.scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss, (logits.argmax(1) == y).sum()
+    @torch.no_grad()
+    def reset(self, seed: int) -> None:
+        """A new run from the model's current (freshly initialised) weights: optimizer state
+        zero, average = the weights, loss scale back to its start, counter and metrics zero,
+        the schedule restored, mixing drawn from ``seed``."""
+        self.opt.reset()
+        if self.averager is not None:
+            self.averager.reset()
+        if self.scaler is not None:
+            self.scaler.reset()
+        self.counter.zero_()
+        self.metrics.zero_()
+        self.lr_table.copy_(torch.tensor(self.lrs, dtype=torch.float32))
+        if self.mix is not None:
+            a = self.r.augment
+            self.mix.refill(MixPlan(a.mixup, a.cutmix, a.mix_prob, self.step_sizes, seed, torch.device("cpu")))
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        """LR 0 from here until :meth:`reset`, and the counter at step 0: the warm-up and the
+        batch finder run real steps on random data that must not train anything."""
+        self.lr_table.zero_()
+        self.counter.zero_()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "counter": int(self.counter),
+                "averager": [t.detach().cpu().clone() for t in self.averager.shadow] if self.averager else None,
+                "scaler": [self.scaler.scale.cpu(), self.scaler.growth_tracker.cpu()] if self.scaler else None,
+                "metrics": self.metrics.cpu().clone()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.counter.fill_(state["counter"])
+        self.metrics.copy_(state["metrics"])
+        if self.averager is not None and state["averager"] is not None:
+            torch._foreach_copy_(self.averager.shadow, [t.to(self.counter.device) for t in state["averager"]])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.scale.copy_(state["scaler"][0])
+            self.scaler.growth_tracker.copy_(state["scaler"][1])

@@ -3,9 +3,10 @@ on random data, so that compilation, cuDNN autotuning, lazy kernel loading and f
 allocations never land in a timed run.
 
 It covers the whitening fit (fp64 covariance and eigendecomposition on the device), the
-batched augmentations, progressive resizing, the training step at every image size the run
-uses (forward, loss, mixing, distillation, backward over micro-batches, loss scaling, the
-optimizer and the weight averaging), and evaluation at every batch size the test set is cut
+batched augmentations, progressive resizing, the run's own training step (``session.step``,
+the same object and compiled program the run calls: forward, loss, mixing, distillation,
+backward over micro-batches, loss scaling, the optimizer and the weight averaging) at
+every image size the run uses, and evaluation at every batch size the test set is cut
 into, plain and with the recipe's test-time augmentation (the least-confident subsets
 included). The model's weights and statistics are put back afterwards.
 """
@@ -13,16 +14,12 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from ..data.augment import BatchAugment, reflect_pad
 from ..data.resident import resize
 from ..data.shard import Shard
-from .distributed import no_sync
-from ..optim import build_averager, build_optimizer, set_step_hyperparams
 from .evaluate import evaluate
-from .step import Objective
 
 TRAIN_CALLS = 3
 """Training steps per image size (CUDA graphs record on the second or third call)."""
@@ -53,11 +50,8 @@ def warm_up(session) -> float:
     augment = BatchAugment(r.augment, batch, src.image_size, gen, rt.device, *stats,
                            resized_crop=not src.crops_in_workers)
     draws = augment.draw(0)
-    opt = build_optimizer(model, r.optim, batch)
-    averager = build_averager(model, r.averaging, 1)
-    objective = Objective(r, rt, session.forward, session.teacher, no_sync=lambda: no_sync(session.forward))
-    host_rng = np.random.default_rng(0)
-    set_step_hyperparams(opt, 0.0)                     # kernels run, weights stay
+    step = session.step
+    step.idle()                                         # LR 0: kernels run, weights stay
     model.train()
     for size in session.image_sizes():
         x = augment(reflect_pad(randn(batch, c, size, size).to(rt.dtype), augment.translate),
@@ -68,10 +62,8 @@ def warm_up(session) -> float:
         y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
         for _ in range(TRAIN_CALLS):
             rt.mark_step()
-            objective.step(opt, x, y, host_rng)
-            if averager is not None:
-                averager.update(r.averaging.every)
-    model.zero_grad(set_to_none=True)
+            step(x, y)
+            step.counter.zero_()
 
     n_test = len(src.test_y)
     for n in eval_batch_sizes(n_test, r.eval.batch_size, session.shard):
@@ -83,4 +75,5 @@ def warm_up(session) -> float:
     rt.synchronize()
     model.load_state_dict(saved)
     model.train()
+    step.reset(0)                                       # the schedule back, the state zero
     return time.perf_counter() - t0

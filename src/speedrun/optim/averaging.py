@@ -25,20 +25,42 @@ class WeightAverage:
         self.live = state_tensors(model)
         self.shadow = [t.detach().clone() for t in self.live]
 
-    def decay_at(self, step: int) -> float:
+    def decay_at(self, step):
+        """The decay after optimizer step ``step`` (an int, or a device tensor in the step)."""
         if self.cfg.kind == "lookahead":
             return self.cfg.decay * (step / self.total) ** self.cfg.power
         return self.cfg.decay
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
-        """Call after optimizer step number ``step`` (1-based)."""
-        if step % self.cfg.every:
+    def reset(self) -> None:
+        """The average restarts from the model's current weights (a new run)."""
+        torch._foreach_copy_(self.shadow, self.live)
+
+    @torch.no_grad()
+    def update(self, step) -> None:
+        """Call after optimizer step number ``step`` (1-based): an int, or a 0-d device tensor
+        inside the training step, where "every N steps" is decided on the device (both the
+        average and its skip are computed, and the due one kept), so a compiled step never
+        depends on the step number."""
+        every = self.cfg.every
+        if not isinstance(step, torch.Tensor):
+            if step % every:
+                return
+            self._blend(1.0 - self.decay_at(step), None)
             return
-        # shadow <- decay * shadow + (1 - decay) * live
-        torch._foreach_lerp_(self.shadow, self.live, 1.0 - self.decay_at(step))
+        due = torch.remainder(step, every) == 0
+        self._blend(1.0 - self.decay_at(step.float()), due)
+
+    def _blend(self, weight, due) -> None:
+        # shadow <- decay * shadow + (1 - decay) * live; lookahead then pulls live onto it
+        blended = torch._foreach_add(self.shadow, torch._foreach_mul(torch._foreach_sub(self.live, self.shadow),
+                                                                     weight))
+        if due is not None:
+            blended = [torch.where(due, b, s) for b, s in zip(blended, self.shadow)]
+        torch._foreach_copy_(self.shadow, blended)
         if self.cfg.kind == "lookahead":
-            torch._foreach_copy_(self.live, self.shadow)
+            pulled = self.shadow if due is None else [torch.where(due, s, v) for s, v in zip(self.shadow, self.live)]
+            torch._foreach_copy_(self.live, pulled)
 
     @torch.no_grad()
     def finalize(self) -> None:

@@ -17,15 +17,16 @@ ratio). A group with ``adapt=False`` uses trust 1: momentum SGD with L2 decay (L
 weight norm or step norm is 0, so zero-initialised tensors can start moving.
 
 Each group's norms are taken in one ``torch._foreach_norm`` call for the weights and one for
-the steps, and the trust ratios stay on the device: a step never waits for the host.
+the steps, and the trust ratios stay on the device: a step never waits for the host. Both
+are :class:`~speedrun.optim.base.Optimizer` rules: state allocated up front, LR and
+momentum accepted as device tensors (see base.py).
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Iterable
-
 import torch
 from torch import Tensor
+
+from .base import Number, Optimizer, scaled
 
 
 def _norms(tensors: list[Tensor]) -> Tensor:
@@ -33,39 +34,20 @@ def _norms(tensors: list[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(tensors))
 
 
-class _LayerwiseOptimizer(torch.optim.Optimizer):
-    """The closure and parameter bookkeeping shared by LARS and LAMB; ``_update`` does one
-    group's step on its tensors that have gradients."""
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            self._update(group, params, grads)
-        return loss
-
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        raise NotImplementedError
-
-
-class LARS(_LayerwiseOptimizer):
+class LARS(Optimizer):
     """Momentum SGD whose step for each tensor is scaled by eta·‖w‖ / (‖g‖ + wd·‖w‖)."""
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, nesterov: bool = False,
+    state_names = ("momentum_buffer",)
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, adapt: bool = True):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       trust_coefficient=trust_coefficient, adapt=adapt))
 
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        bufs = [self._buffer(p) for p in params]
-        wd, momentum = group["weight_decay"], group["momentum"]
+    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
+                momentum: Number) -> None:
+        bufs = state["momentum_buffer"]
+        wd = group["weight_decay"]
         d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
         if group["adapt"]:
             w_norm, g_norm = _norms(params), _norms(grads)
@@ -75,51 +57,42 @@ class LARS(_LayerwiseOptimizer):
         # the buffer starts at zero, so its first value is exactly trust·d
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, d)
-        update = torch._foreach_add(d, bufs, alpha=momentum) if group["nesterov"] else bufs
-        torch._foreach_add_(params, update, alpha=-group["lr"])
-
-    def _buffer(self, p: Tensor) -> Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["momentum_buffer"]
+        update = torch._foreach_add(d, scaled(bufs, momentum)) if group["nesterov"] else bufs
+        torch._foreach_sub_(params, scaled(update, lr))
 
 
-class LAMB(_LayerwiseOptimizer):
-    """Adam with decay added to its direction r, and each tensor's step scaled by ‖w‖ / ‖r‖."""
+class LAMB(Optimizer):
+    """Adam with decay added to its direction r, and each tensor's step scaled by ‖w‖ / ‖r‖.
+    The step count (for the bias corrections) is a 0-d tensor per group, counted on the device."""
 
-    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    state_names = ("exp_avg", "exp_avg_sq")
+    counters = ("step",)
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, adapt: bool = True):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt))
 
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        states = [self._moments(p) for p in params]
+    def scheduled_momentum(self, group: dict) -> bool:
+        return False                                  # LAMB's betas stay fixed
+
+    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
+                momentum) -> None:
         beta1, beta2 = group["betas"]
-        m = [s["exp_avg"] for s in states]
-        v = [s["exp_avg_sq"] for s in states]
-        for s in states:
-            s["step"] += 1                          # a host-side int: no device sync
+        m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        step.add_(1)
         torch._foreach_lerp_(m, grads, 1 - beta1)      # m = beta1·m + (1 - beta1)·g
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         # r = (m / bc1) / (sqrt(v / bc2) + eps), with bc = 1 - beta**step
         denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** s["step"]) for s in states])
+        torch._foreach_div_(denom, torch.sqrt(1 - torch.pow(beta2, step)))
         torch._foreach_add_(denom, group["eps"])
         r = torch._foreach_div(m, denom)
-        torch._foreach_div_(r, [1 - beta1 ** s["step"] for s in states])
+        torch._foreach_div_(r, 1 - torch.pow(beta1, step))
         if group["weight_decay"]:
             torch._foreach_add_(r, params, alpha=group["weight_decay"])
         if group["adapt"]:
             w_norm, r_norm = _norms(params), _norms(r)
             trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
             torch._foreach_mul_(r, trust.unbind())
-        torch._foreach_add_(params, r, alpha=-group["lr"])
-
-    def _moments(self, p: Tensor) -> dict:
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+        torch._foreach_sub_(params, scaled(r, lr))

@@ -18,6 +18,8 @@ from collections import defaultdict
 
 import torch
 
+from .base import Optimizer, scaled
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)      # quintic iteration coefficients, Jordan et al. (2024)
 
 
@@ -37,13 +39,16 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps
     return (x.mT if tall else x).to(g.dtype)
 
 
-class OrthogonalFilters(torch.optim.Optimizer):
+class OrthogonalFilters(Optimizer):
     """Nesterov momentum, then batched Newton-Schulz orthogonalisation, for 4-D conv filters.
 
     Per group: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``norm_every`` (renormalise
-    each filter bank to Frobenius norm sqrt(out channels) every this many steps; 0 = never)
-    and ``weight_decay`` (coupled to the LR as in torch's SGD: each step removes
-    lr * weight_decay of each weight)."""
+    each filter bank to Frobenius norm sqrt(out channels) every this many steps; 0 = never;
+    decided on the device from the group's step counter) and ``weight_decay`` (coupled to the
+    LR as in torch's SGD: each step removes lr * weight_decay of each weight)."""
+
+    state_names = ("momentum_buffer",)
+    counters = ("steps_taken",)
 
     def __init__(self, params, lr: float, momentum: float = 0.6, nesterov: bool = True, ns_steps: int = 3,
                  norm_every: int = 1, weight_decay: float = 0.0):
@@ -54,62 +59,68 @@ class OrthogonalFilters(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim != 4:
                     raise ValueError(f"OrthogonalFilters takes 4-D conv filters, got a parameter of shape {tuple(p.shape)}")
+            if group["params"]:            # each bank's target norm, sqrt(out channels), kept on the device
+                group["target_norms"] = torch.tensor([p.shape[0] ** 0.5 for p in group["params"]],
+                                                     device=group["params"][0].device)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            count = group.setdefault("steps_taken", 0) + 1
-            group["steps_taken"] = count
-            grads = [p.grad for p in params]
-            bufs = []
-            for p, g in zip(params, grads):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                bufs.append(state["momentum_buffer"])
-            mu = group["momentum"]
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, grads)
-            updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-            if group["norm_every"] and count % group["norm_every"] == 0:
-                norms = torch._foreach_norm(params)
-                torch._foreach_mul_(params, [p.shape[0] ** 0.5 / n for p, n in zip(params, norms)])
-            if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            by_shape: dict[tuple, list[int]] = defaultdict(list)
-            for i, p in enumerate(params):
-                by_shape[tuple(p.shape)].append(i)
-            for shape, idx in by_shape.items():
-                rows, cols = shape[0], shape[1] * shape[2] * shape[3]
-                stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
-                ortho = newton_schulz(stacked, group["ns_steps"]) * max(1.0, rows / cols) ** 0.5
-                for j, i in enumerate(idx):
-                    params[i].add_(ortho[j].view(shape), alpha=-group["lr"])
-        return None
+    def scheduled_momentum(self, group: dict) -> bool:
+        return False                                  # the filters keep their own momentum
+
+    def _update(self, group, params, grads, state, lr, momentum) -> None:
+        count = state["steps_taken"]
+        count.add_(1)
+        bufs = state["momentum_buffer"]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+        updates = torch._foreach_add(grads, scaled(bufs, momentum)) if group["nesterov"] else bufs
+        every = group["norm_every"]
+        if every:
+            due = torch.remainder(count, every) == 0
+            norms = torch.stack(torch._foreach_norm(params))
+            target = group["target_norms"] if len(params) == len(group["params"]) else \
+                torch.tensor([p.shape[0] ** 0.5 for p in params], device=norms.device)
+            torch._foreach_mul_(params, torch.where(due, target / norms, 1.0).unbind())
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            by_shape[tuple(p.shape)].append(i)
+        for shape, idx in by_shape.items():
+            rows, cols = shape[0], shape[1] * shape[2] * shape[3]
+            stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
+            ortho = newton_schulz(stacked, group["ns_steps"]) * (max(1.0, rows / cols) ** 0.5 * lr)
+            torch._foreach_sub_([params[i] for i in idx], [o.view(shape) for o in ortho.unbind()])
 
 
 class OptimizerList:
     """Several optimizers stepped together, seen by the loop as one: ``param_groups`` is the
-    concatenation of theirs (the same dicts), and state dicts nest by position."""
+    concatenation of theirs (the same dicts)."""
 
-    def __init__(self, *optimizers: torch.optim.Optimizer):
+    def __init__(self, *optimizers: Optimizer):
         self.optimizers = [o for o in optimizers if o.param_groups]
 
     @property
     def param_groups(self) -> list[dict]:
-        # read each time: load_state_dict replaces an optimizer's group dicts
         return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self) -> None:
         for o in self.optimizers:
             o.step()
 
+    def update(self, *args, **kwargs) -> None:
+        for o in self.optimizers:
+            o.update(*args, **kwargs)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for o in self.optimizers for t in o.state_tensors()]
+
+    def reset(self) -> None:
+        for o in self.optimizers:
+            o.reset()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
+            o.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         return {"optimizers": [o.state_dict() for o in self.optimizers]}

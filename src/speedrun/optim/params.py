@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn as nn
 
 from ..models import PatchWhitening
 from ..recipe import OptimConfig
+from .base import SGD, Optimizer
 from .layerwise import LAMB, LARS
 from .orthogonal import OptimizerList, OrthogonalFilters
 
@@ -52,7 +52,7 @@ def step_lr(cfg: OptimConfig, batch_size: int) -> float:
     return cfg.lr * momentum_norm * scale
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> Optimizer | OptimizerList:
     """SGD, LARS or LAMB (by ``cfg.name``) with one group per parameter role.
 
     Each group carries ``name`` (its role), ``base_lr`` (its LR at schedule multiplier 1) and
@@ -84,7 +84,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torc
     elif cfg.name == "lamb":
         main = LAMB(groups, lr, betas=cfg.betas, eps=cfg.eps)
     else:
-        main = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        main = SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
     if filters is None:
         return main
     # decoupled decay in optim.weight_decay's units: lr_t * weight_decay = multiplier_t * decay per step.
@@ -95,14 +95,3 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torc
                               nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, norm_every=cfg.filter_norm_every,
                               weight_decay=decay_per_step / cfg.filter_lr)
     return OptimizerList(main, ortho)
-
-
-def set_step_hyperparams(opt: torch.optim.Optimizer, lr_mult: float, momentum: float | None = None,
-                         frozen: frozenset[str] = frozenset()) -> None:
-    """Apply the schedule's multiplier (and momentum) for this step; groups named in
-    ``frozen`` get LR 0 (e.g. the whitening bias after its training epochs). Momentum is
-    set only in groups that have one (not LAMB's, whose betas stay fixed)."""
-    for g in opt.param_groups:
-        g["lr"] = 0.0 if g["name"] in frozen else g["base_lr"] * lr_mult
-        if momentum is not None and "momentum" in g and g["name"] != "filters":
-            g["momentum"] = momentum

@@ -55,8 +55,9 @@ def _duration(seconds: float) -> str:
 
 class LogLines:
     """The loop's progress protocol as plain lines on stdout: one every N steps or seconds
-    (step, epoch, loss, images/s, ETA) and one per epoch. Reading the loss back is the only
-    device sync, and happens only when a line is printed."""
+    (step, epoch, images/s, ETA, and the last finished epoch's mean loss) and one per epoch.
+    A step's own loss is never read here: that would be a host-device sync inside the timed
+    region, which the loop only allows once per epoch with its clock paused."""
 
     def __init__(self, title: str, every: LogEvery, stream=None):
         self.title, self.every, self.stream = title, every, stream or sys.stdout
@@ -66,12 +67,12 @@ class LogLines:
 
     def start(self, total_steps: int, epochs: int, batch_size: int) -> None:
         self.total, self.epochs, self.batch = total_steps, epochs, batch_size
-        self.done, self.epoch_now = 0, 1
+        self.done, self.epoch_now, self.last_loss = 0, 1, None
         self.t0 = self.last_t = time.monotonic()
         self.last_done = 0
         self.print(f"{self.title}: {total_steps} steps in {epochs} epochs, batch {batch_size}")
 
-    def step(self, loss) -> None:
+    def step(self) -> None:
         self.done += 1
         now = time.monotonic()
         due = (self.every.steps and self.done % self.every.steps == 0) or \
@@ -80,15 +81,16 @@ class LogLines:
             return
         rate = (self.done - self.last_done) * self.batch / max(now - self.last_t, 1e-9)
         eta = (now - self.t0) / self.done * (self.total - self.done)
+        loss = "" if self.last_loss is None else f" (epoch {self.epoch_now - 1} loss {self.last_loss:.4f})"
         self.print(f"{self.title} step {self.done}/{self.total} epoch {self.epoch_now}/{self.epochs} "
-                   f"loss {float(loss):.4f} {rate:,.0f} img/s ETA {_duration(eta)}")
+                   f"{rate:,.0f} img/s ETA {_duration(eta)}{loss}")
         self.last_t, self.last_done = now, self.done
 
     def epoch(self, rec) -> None:
         test = f" test acc {rec.test_acc:.4f}" if rec.test_acc is not None else ""
         self.print(f"{self.title} epoch {rec.epoch}/{self.epochs} done: loss {rec.train_loss:.4f} "
                    f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s)")
-        self.epoch_now = min(rec.epoch + 1, self.epochs)
+        self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs), rec.train_loss
 
 
 class ProgressBar:
@@ -109,7 +111,7 @@ class ProgressBar:
             self.bar.remove_task(self.task)
         self.task = self.bar.add_task(f"{self.title} epoch 1/{epochs}", total=total_steps, info="")
 
-    def step(self, loss) -> None:
+    def step(self) -> None:
         self.bar.advance(self.task)
 
     def epoch(self, rec) -> None:
