@@ -1,0 +1,124 @@
+"""The structure of one training step, eager and compiled, counted on the CPU (what a GPU
+would launch and wait for), and CPU milliseconds per step.
+
+For cifar10-94, cifar10-94-fast and imagenet-resnet50, in fp32, bf16 and fp16 (CPU autocast
+with the loss scale), eager and compiled (inductor by default): graph breaks, compiled
+regions per step, eager ATen ops per step outside compiled regions, host syncs per step
+(maximum over the steps of a short real epoch; how each is counted: src/speedrun/bench/
+structure.py). Also one micro-batch variant (train.accumulate=2). Then milliseconds per
+step eager against compiled, at the recipes' own widths.
+
+Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), for
+imagenet-resnet50 upscaled to 64 px (its recipe's random-resized crops are cut on the
+device). Counts do not depend on width, so the structure runs use narrow nets.
+
+    python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
+        [--out benchmarks/results/step-structure-<cpu>.json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from speedrun.bench.structure import measure
+from speedrun.data import load_dataset
+from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
+from speedrun.files import atomic_write_json
+from speedrun.recipe import load_recipe
+from speedrun.report.environment import environment
+
+NARROW = {"cifar10-94": ["model.widths=[16,32,32]"], "cifar10-94-fast": ["model.widths=[16,32,32]"],
+          "imagenet-resnet50": ["model.width=16"]}
+BATCH = {"cifar10-94": 256, "cifar10-94-fast": 256, "imagenet-resnet50": 32}
+TIMED_BATCH = {"cifar10-94": 1024, "cifar10-94-fast": 2000, "imagenet-resnet50": 64}
+
+
+def data(recipe: str, train: int = 2048, test: int = 512):
+    root = os.environ.get("SPEEDRUN_DATA") or str(Path(__file__).resolve().parents[2] / "shared" / "datasets")
+    ds = load_dataset("cifar10", root, fetch=False)
+    ds = dataclasses.replace(ds, train_x=ds.train_x[:train], train_y=ds.train_y[:train],
+                             test_x=ds.test_x[:test], test_y=ds.test_y[:test])
+    if recipe.startswith("imagenet"):
+        up = lambda x: F.interpolate(x.float(), size=(64, 64), mode="bilinear", antialias=False).round().clamp(0, 255) \
+            .to(torch.uint8)
+        ds = dataclasses.replace(ds, train_x=up(ds.train_x), test_x=up(ds.test_x))
+    return ds
+
+
+def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str], timed_steps: int = 0,
+        steps: int = 4) -> dict:
+    os.environ[BACKEND_VARIABLE] = backend
+    batch = TIMED_BATCH[name] if timed_steps else BATCH[name]
+    overrides = ([] if timed_steps else NARROW[name]) + [f"data.batch_size={batch}", "eval.batch_size=512", *sets]
+    if name == "imagenet-resnet50":
+        overrides.append("eval.tta=none")
+    recipe = load_recipe(name, overrides)
+    rt = Runtime(torch.device("cpu"), precision, compiled, True, "default", backend)
+    t = time.perf_counter()
+    out = measure(recipe, data(name, train=max(2048, 2 * batch)), rt, steps=steps, timed_steps=timed_steps)
+    return {"recipe": name, "precision": precision, "compiled": compiled, "backend": backend if compiled else None,
+            "overrides": overrides, **out, "seconds": time.perf_counter() - t}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--only", action="append", help="a recipe (repeatable)")
+    p.add_argument("--precisions", default="fp32,bf16,fp16")
+    p.add_argument("--timed-steps", type=int, default=3, help="steps timed per recipe at full width (0: none)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    env = environment()
+    cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
+    out = args.out or Path(__file__).parent / "results" / f"step-structure-{cpu}.json"
+    recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
+    rows, timing = [], []
+    record = {"what": "structure of one training step (TrainStep) per recipe, precision and mode: graph breaks, "
+                      "compiled regions per step, eager ATen compute ops per step outside compiled regions, host "
+                      "syncs per step (max over the counted steps of a real epoch); then ms per step (wall, after "
+                      "the warm-up) eager vs compiled at the recipes' own widths",
+              "environment": env, "backend": args.backend, "rows": rows, "timing": timing}
+
+    def save():
+        atomic_write_json(out, record)
+
+    for name in recipes:
+        for precision in args.precisions.split(","):
+            for compiled in (False, True):
+                row = one(name, precision, compiled, args.backend, [])
+                rows.append(row)
+                print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} breaks {row['graph_breaks']} "
+                      f"regions {row['compiled_regions_per_step']} eager ops {row['eager_ops_per_step']} "
+                      f"syncs {row['host_syncs_per_step']}", flush=True)
+                save()
+        row = one(name, "bf16", True, args.backend, ["train.accumulate=2"])
+        rows.append(row)
+        print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
+              f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
+        save()
+    if args.timed_steps:
+        for name in recipes:
+            for precision in ("fp32", "bf16"):
+                for compiled in (False, True):
+                    row = one(name, precision, compiled, args.backend, [], timed_steps=args.timed_steps, steps=1)
+                    timing.append({k: row[k] for k in ("recipe", "precision", "compiled", "backend", "overrides",
+                                                       "ms_per_step", "build_and_warm_up_seconds")})
+                    ms = row["ms_per_step"]
+                    print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} "
+                          f"{sum(ms) / len(ms):9.1f} ms/step (min {min(ms):.1f}) warm-up "
+                          f"{row['build_and_warm_up_seconds']:.1f} s", flush=True)
+                    save()
+    print(f"record: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The structure of a training step, counted on the CPU: what a GPU would have to launch and
+wait for. For one recipe in one runtime it measures
+
+- **graph breaks** and graphs dynamo compiled (its counters, over the warm-up, which runs
+  every step shape of the run);
+- **compiled regions per step**: calls into compiled code (``Torch-Compiled Region`` events
+  of the profiler) plus compiled backward graphs (``CompiledFunctionBackward``);
+- **eager ops per step**: ATen ops the profiler sees outside compiled regions, counted at the
+  outermost level (an op's own sub-ops are not counted again) and leaving out views and other
+  aliasing or metadata ops (:data:`NOT_COMPUTE`), which launch no kernel;
+- **host syncs per step**: ops that make the host wait for the device on a GPU
+  (:data:`SYNC_OPS`: reading a scalar back, data-dependent output sizes), wherever they run,
+  plus reads of a tensor's values from Python (``tolist``, ``numpy``).
+
+The step is the run's own :class:`~speedrun.engine.step.TrainStep`, called on the batches of
+a real epoch from the run's pipeline; every step is profiled and the maximum is reported. The
+pipeline's work per batch (gather, augment) is counted apart: it is not part of the step.
+
+The profiler, unlike a TorchDispatchMode, lets compiled code run compiled (dynamo skips
+frames while a dispatch mode is active).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+NOT_COMPUTE = frozenset({
+    "aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::detach", "aten::detach_", "aten::alias",
+    "aten::_reshape_alias", "aten::reshape", "aten::expand", "aten::t", "aten::transpose", "aten::permute",
+    "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::split", "aten::split_with_sizes",
+    "aten::tensor_split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::flatten", "aten::view_as",
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::is_nonzero", "aten::result_type", "aten::contiguous", "aten::_has_compatible_shallow_copy_type",
+    "aten::set_", "aten::to",
+})
+"""ATen ops that only make a new view or metadata (or allocate without writing, or convert
+to the dtype/layout a tensor already has: ``aten::to`` and ``contiguous`` that copy show
+their ``_to_copy``/``clone`` child, which is then counted as the outermost compute op)."""
+
+SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
+                      "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+                      "aten::repeat_interleave"})
+"""Ops that wait for the device on a GPU: a scalar read back (``.item()``, ``bool()``,
+``int()`` of a tensor), or an output whose size depends on the data."""
+
+PY_READS = ("tolist", "numpy")
+COMPILED = ("Torch-Compiled Region", "CompiledFunction")
+
+
+@contextmanager
+def _python_reads(calls: list):
+    """Count ``Tensor.tolist``/``numpy`` calls (reads that bypass the dispatcher)."""
+    saved = {name: getattr(torch.Tensor, name) for name in PY_READS}
+
+    def spy(name):
+        def read(self, *a, **k):
+            calls.append(name)
+            return saved[name](self, *a, **k)
+        return read
+    for name in PY_READS:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _inside(event, markers) -> bool:
+    e = event.cpu_parent
+    while e is not None:
+        if any(m in e.name for m in markers):
+            return True
+        e = e.cpu_parent
+    return False
+
+
+def _outermost_op(event) -> bool:
+    e = event.cpu_parent
+    while e is not None:
+        if e.name.startswith("aten::"):
+            return False
+        e = e.cpu_parent
+    return True
+
+
+def count_events(events, python_reads: int = 0) -> dict:
+    """Regions, eager compute ops (with their names) and syncs in one profiled step."""
+    regions = sum(1 for e in events if e.name.startswith("Torch-Compiled Region") or e.name == "CompiledFunctionBackward")
+    eager = [e.name for e in events if e.name.startswith("aten::") and e.name not in NOT_COMPUTE
+             and _outermost_op(e) and not _inside(e, COMPILED)]
+    syncs = [e.name for e in events if e.name in SYNC_OPS]
+    return {"compiled_regions": regions, "eager_ops": len(eager), "eager_op_names": sorted(eager),
+            "host_syncs": len(syncs) + python_reads, "sync_ops": sorted(syncs)}
+
+
+def profiled(fn, *args) -> dict:
+    reads: list = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _python_reads(reads):
+        fn(*args)
+    return count_events(prof.events(), len(reads))
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+    return int(sum(counters["graph_break"].values())), int(counters["stats"]["unique_graphs"])
+
+
+def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int = 0, seed: int = 0) -> dict:
+    """Structure (and, with ``timed_steps``, milliseconds) of the training step of ``recipe``
+    on ``source`` in ``runtime``: every step of the first epoch (or the first ``steps``)."""
+    from ..data.augment import BatchAugment
+    from ..data.dataset import open_pipeline
+    from ..engine.loop import Session, epoch_size
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    t0 = time.perf_counter()
+    session = Session(recipe, source, runtime, warm_up=True)
+    build_seconds = time.perf_counter() - t0
+    breaks, graphs = _dynamo_counts()
+    rt = runtime
+    session.reset(seed)
+    data = open_pipeline(session.source, session.recipe, rt, seed, session.shard)
+    whiten = getattr(session.model, "whiten", None)
+    if whiten is not None:
+        whiten.fit(data.whitening_sample(session.recipe.model.whiten.samples))
+    session.step.reset(seed)
+    gen = torch.Generator(device=rt.device)
+    gen.manual_seed(seed)
+    augment = BatchAugment(session.recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean,
+                           data.std, resized_crop=not data.crops_in_workers)
+    n = min(steps or session.steps_per_epoch, session.steps_per_epoch)
+    size = epoch_size(session.recipe, 0, data.image_size[0])
+    batches = data.epoch(0, session.recipe.data.batch_size, augment, gen, size=size)
+    per_step, pipeline = [], []
+    session.model.train()
+    for _ in range(n):
+        box = []
+        pipeline.append(profiled(lambda: box.append(next(batches))))
+        x, y = box[0]
+        rt.mark_step()
+        per_step.append(profiled(session.step, x, y))
+    ms = []
+    for _ in range(timed_steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = data.epoch(1, session.recipe.data.batch_size, augment, gen, size=size)
+            x, y = next(batches)
+        rt.synchronize()
+        t = time.perf_counter()
+        rt.mark_step()
+        session.step(x, y)
+        rt.synchronize()
+        ms.append((time.perf_counter() - t) * 1e3)
+    breaks_after, graphs_after = _dynamo_counts()
+    worst = max(per_step, key=lambda c: (c["eager_ops"], c["host_syncs"], c["compiled_regions"]))
+    return {
+        "graph_breaks": breaks, "graphs_compiled": graphs, "recompiles_during_steps": graphs_after - graphs,
+        "graph_breaks_during_steps": breaks_after - breaks,
+        "steps_counted": n,
+        "compiled_regions_per_step": max(c["compiled_regions"] for c in per_step),
+        "eager_ops_per_step": max(c["eager_ops"] for c in per_step),
+        "host_syncs_per_step": max(c["host_syncs"] for c in per_step),
+        "eager_op_names_worst_step": worst["eager_op_names"], "sync_ops_worst_step": worst["sync_ops"],
+        "pipeline_eager_ops_per_batch": max(c["eager_ops"] for c in pipeline),
+        "pipeline_host_syncs_per_batch": max(c["host_syncs"] for c in pipeline),
+        "build_and_warm_up_seconds": build_seconds,
+        "ms_per_step": ms,
+    }

@@ -1,0 +1,119 @@
+"""The training step's structure, counted as benchmarks/step_structure.py counts it: compiled,
+a step is at most three compiled regions (forward + loss, its backward, the update) with no
+graph breaks, at most ten eager compute ops between them and no host sync, in fp32, bf16
+and fp16 with loss scaling; eager, it has no host sync either. These fail when an eager op
+or a sync creeps back into the step.
+
+Compiled with aot_eager (dynamo's capture and AOTAutograd's joint graph, as inductor gets
+them, without code generation), on narrow nets: the counts do not depend on width."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedrun.bench.structure import measure, profiled
+from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session
+from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
+from speedrun.recipe import load_recipe
+
+CPU = torch.device("cpu")
+SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
+
+
+@pytest.fixture(scope="module")
+def cifar_slice(cifar10):
+    return dataclasses.replace(cifar10, train_x=cifar10.train_x[:1024], train_y=cifar10.train_y[:1024],
+                               test_x=cifar10.test_x[:256], test_y=cifar10.test_y[:256])
+
+
+def _structure(name, data, precision, compiled, monkeypatch, *sets):
+    monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
+    recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
+    return measure(recipe, data, Runtime(CPU, precision, compiled, True, "default", "aot_eager"), steps=4)
+
+
+@pytest.mark.parametrize("name, precision, sets", [
+    ("cifar10-94", "fp32", ["model.widths=[16,32,32]"]),
+    ("cifar10-94", "fp16", ["model.widths=[16,32,32]"]),                     # loss scaling, skip on the device
+    ("cifar10-94-fast", "bf16", ["model.widths=[16,32,32]"]),                # orthogonal filter updates
+    ("dawnbench-resnet18", "bf16", ["model.width=8", "augment.cutmix=1.0",   # mixing, LAMB, one-cycle momentum
+                                    "optim.name=lamb", "optim.lr=0.02"]),
+    ("fashion-mnist", "bf16", ["model.widths=[16,32,32]", "optim.name=lars", "schedule={kind='onecycle', "
+                               "peak_at=0.3, start=0.1, end=0.01, momentum_low=0.8}", "averaging.kind=ema",
+                               "averaging.decay=0.9"]),
+])
+def test_a_compiled_step_is_three_regions_with_no_breaks_few_eager_ops_and_no_sync(
+        name, precision, sets, cifar_slice, fashion, monkeypatch):
+    data = fashion if name == "fashion-mnist" else cifar_slice
+    if name == "fashion-mnist":
+        data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
+                                   test_x=data.test_x[:256], test_y=data.test_y[:256])
+    s = _structure(name, data, precision, True, monkeypatch, *sets)
+    assert s["graph_breaks"] == 0 and s["graph_breaks_during_steps"] == 0 and s["recompiles_during_steps"] == 0, s
+    assert s["compiled_regions_per_step"] <= 3, s
+    assert s["eager_ops_per_step"] <= 10, s["eager_op_names_worst_step"]
+    assert s["host_syncs_per_step"] == 0, s["sync_ops_worst_step"]
+
+
+def test_an_eager_step_has_no_host_sync_either(cifar_slice, monkeypatch):
+    s = _structure("cifar10-94-fast", cifar_slice, "fp32", False, monkeypatch, "model.widths=[16,32,32]")
+    assert s["compiled_regions_per_step"] == 0 and s["host_syncs_per_step"] == 0, s["sync_ops_worst_step"]
+    assert s["eager_ops_per_step"] > 100            # the count sees an eager step's work
+
+
+def test_the_counter_sees_syncs_eager_ops_and_compiled_regions():
+    """The negative controls: what the step must not do is counted when it happens."""
+    t = torch.randn(8)
+    assert profiled(lambda: t.sum().item())["host_syncs"] == 1
+    assert profiled(lambda: bool(t.any()))["host_syncs"] == 1
+    assert profiled(lambda: t.tolist())["host_syncs"] == 1
+    assert profiled(lambda: t.nonzero())["host_syncs"] == 1
+    eager = profiled(lambda: (t * 2 + 1).view(2, 4).exp())
+    assert eager["eager_ops"] == 3 and eager["eager_op_names"] == ["aten::add", "aten::exp", "aten::mul"]
+    f = torch.compile(lambda x: (x * 2 + 1).exp(), backend="aot_eager")
+    f(t)
+    compiled = profiled(f, t)
+    assert compiled["compiled_regions"] == 1 and compiled["eager_ops"] == 0
+
+
+def test_one_place_in_the_training_code_runs_backward():
+    """The step reads top to bottom in engine/step.py, the one caller of backward (FLOP
+    counting, which measures a backward pass, aside)."""
+    calls = [(p.relative_to(SRC).as_posix(), n) for p in SRC.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\.backward\(", line)]
+    assert [c[0] for c in calls if c[0] != "engine/flops.py"] == ["engine/step.py"], calls
+
+
+class InfGradients:
+    """A gradient hook that makes one parameter's gradient infinite on every backward pass:
+    an fp16 overflow in the gradients while the loss itself stays finite."""
+
+    def __call__(self, grad):
+        return grad * math.inf
+
+
+def test_fp16_gradient_overflow_with_a_finite_loss_is_skipped_on_the_device_and_counted(fashion):
+    """The loss scale collapses when every step's gradients overflow, though each loss is
+    finite: the steps are undone on the device (weights unchanged), counted as skipped, and
+    after NONFINITE_PATIENCE of them in a row the run stops, saying why."""
+    small = dataclasses.replace(fashion, train_x=fashion.train_x[:2048], train_y=fashion.train_y[:2048],
+                                test_x=fashion.test_x[:256], test_y=fashion.test_y[:256])
+    recipe = load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=128", "train.epochs=2",
+                                           "eval.every=0", "eval.batch_size=256", "averaging.kind=none"])
+    session = Session(recipe, small, Runtime(CPU, "fp16", False, True))
+    head = session.model.head.weight
+    handle = head.register_hook(InfGradients())
+    start = head.detach().clone()
+    with pytest.raises(NonFiniteLoss) as err:
+        session.run()
+    handle.remove()
+    assert err.value.step == NONFINITE_PATIENCE and math.isfinite(err.value.value)
+    assert "overflowed" in str(err.value) and "loss scale" in str(err.value)
+    assert torch.equal(err.value.last_good["head.weight"], start)      # epoch 1: every step undone
+    # the epoch's 32 steps all ran (the loop looks at an epoch's flags once, at its end): 32 halvings
+    assert float(session.step.scaler.scale) == 2.0 ** (16 - 32)
