@@ -13,7 +13,7 @@ imagenet-resnet50 upscaled to 64 px (its recipe's random-resized crops are cut o
 device). Counts do not depend on width, so the structure runs use narrow nets.
 
     python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
-        [--out benchmarks/results/step-structure-<cpu>.json]
+        [--no-structure] [--out benchmarks/results/step-structure-<cpu>.json]
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--only", action="append", help="a recipe (repeatable)")
     p.add_argument("--precisions", default="fp32,bf16,fp16")
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed per recipe at full width (0: none)")
+    p.add_argument("--no-structure", action="store_true", help="only the timing")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     env = environment()
@@ -90,7 +91,7 @@ def main() -> int:
     def save():
         atomic_write_json(out, record)
 
-    for name in recipes:
+    for name in recipes if not args.no_structure else []:
         for precision in args.precisions.split(","):
             for compiled in (False, True):
                 row = one(name, precision, compiled, args.backend, [])

@@ -27,6 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
+from speedrun.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from speedrun.errors import RunFolderError
 from speedrun.files import atomic_torch_save
 from speedrun.recipe import shipped_recipes
@@ -309,7 +310,9 @@ def test_structurally_wrong_records_and_checkpoints_are_named(tmp_path, cli, tra
     a_tensor_list = killed_run(trained_run, tmp_path / "list-ckpt")
     torch.save([torch.zeros(3)], a_tensor_list / "checkpoint.pt")
     incomplete = killed_run(trained_run, tmp_path / "incomplete-ckpt")
-    torch.save({"format": 2, "step": "three"}, incomplete / "checkpoint.pt")
+    torch.save({"format": CHECKPOINT_FORMAT, "step": "three"}, incomplete / "checkpoint.pt")
+    old_format = killed_run(trained_run, tmp_path / "old-ckpt")       # written by an earlier speedrun
+    torch.save({"format": CHECKPOINT_FORMAT - 1, "step": 3}, old_format / "checkpoint.pt")
     before = snapshot(tmp_path)
 
     proc = speedrun("compare", good, wrong_entry, check=False)
@@ -322,6 +325,8 @@ def test_structurally_wrong_records_and_checkpoints_are_named(tmp_path, cli, tra
     check_refused(cli("train", "--resume", garbage), 1, garbage / "checkpoint.pt")
     check_refused(cli("train", "--resume", a_tensor_list), 1, a_tensor_list / "checkpoint.pt", "list")
     check_refused(cli("train", "--resume", incomplete), 1, incomplete / "checkpoint.pt", "step")
+    check_refused(cli("train", "--resume", old_format), 1, old_format / "checkpoint.pt",
+                  f"format {CHECKPOINT_FORMAT - 1}", "start again")
     assert_unchanged(tmp_path, before)
 
 

@@ -138,13 +138,13 @@ def test_csv_files_hold_every_step_and_epoch_at_full_precision(runs):
 def test_logging_reads_nothing_back_from_the_device(runs):
     """Every read of a tensor's value (``.item()``, ``.tolist()``, ``float()``, ...) is counted:
     with the logs on the run makes exactly the reads it makes without them, and inside an
-    epoch's steps the only reads are the progress lines (``--log-every 1``: one a step but the
-    last) and the checkpoint after step 5, both log points the run asks for."""
+    epoch's steps the only reads are the checkpoint's after step 5, a point the run asks for;
+    the progress lines (``--log-every 1``) read nothing."""
     _, plain, logged = runs
     assert Counter(logged) == Counter(plain)
     inside = Counter(where for _, is_inside, where in logged if is_inside)
-    assert inside == Counter({"console.py:step": STEPS - 1, "loop.py:_save": inside["loop.py:_save"]})
-    assert inside["loop.py:_save"] >= 1                       # the checkpoint's copies to the host
+    checkpoint = {"checkpoint.py:save_run", "step.py:state_dict", "step.py:<listcomp>"}
+    assert set(inside) <= checkpoint and inside["checkpoint.py:save_run"] >= 1, inside   # copies to the host
     assert Counter(where for _, is_inside, where in logged if not is_inside)["loop.py:_check_epoch"] == 2
 
 

@@ -256,11 +256,26 @@ def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> 
     return 0
 
 
+LOCAL_FAILURES = ("cuda error", "cuda out of memory", "illegal memory access", "unhandled cuda error",
+                  "cublas_status", "cudnn_status", "device-side assert", "out of memory")
+PEER_FAILURES = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out",
+                 "timeout", "by peer", "remote process", "peer closed", "communicator was aborted",
+                 "socket closed", "read error", "unexpected eof")
+
+
 def _lost_peer(err: BaseException) -> bool:
-    """Whether a collective failed because another process went away or timed out."""
+    """Whether a collective failed because another process went away or timed out, from the
+    exception alone: network and timeout errors (gloo's "Connection closed by peer" and
+    "Timed out waiting", NCCL's aborted communicator, torch's DistNetworkError) are about the
+    other ranks; an error of this process's own GPU (a CUDA error, out of memory, an illegal
+    memory access, NCCL's "unhandled cuda error") is not, even when NCCL reports it."""
     text = str(err).lower()
-    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-                                   "peer", "nccl", "gloo"))
+    if any(k in text for k in LOCAL_FAILURES):
+        return False
+    network_error = getattr(torch.distributed, "DistNetworkError", None)
+    if network_error is not None and isinstance(err, network_error):
+        return True
+    return any(k in text for k in PEER_FAILURES)
 
 
 def recipes_command(args) -> int:

@@ -11,10 +11,24 @@ from ..optim.params import step_lr
 from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
 
 
+OUT_OF_MEMORY_TEXTS = ("can't allocate memory",          # the CPU allocator
+                       "cuda out of memory",              # the caching allocator's text, re-raised as RuntimeError
+                       "cuda error: out of memory",       # a kernel launch or cudaMalloc outside the caching allocator
+                       "cublas_status_alloc_failed",      # cuBLAS's workspace
+                       "cudnn_status_alloc_failed",       # cuDNN's workspace
+                       "cufft_alloc_failed", "cusolver_status_alloc_failed")
+"""Texts of out-of-memory errors that do not arrive as torch.OutOfMemoryError: the libraries
+CUDA kernels call allocate their own workspaces and report failure in their own words.
+(``CUDNN_STATUS_NOT_SUPPORTED`` and ``CUDNN_STATUS_EXECUTION_FAILED`` are not memory.)"""
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError saying so."""
-    return isinstance(err, torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+    """CUDA's caching allocator raises torch.OutOfMemoryError; the CPU allocator, cuBLAS,
+    cuDNN and a bare CUDA error a RuntimeError saying so (:data:`OUT_OF_MEMORY_TEXTS`)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(t in text for t in OUT_OF_MEMORY_TEXTS)
 
 
 def _smaller(recipe: Recipe, batch: int, device) -> int:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .. import compat
 from ..errors import DistributedError, RecipeError
 from ..world import World, detect  # noqa: F401  (detect: part of this module's interface)
 
@@ -183,7 +184,7 @@ def wrap(model: nn.Module, cfg, world: World, device: torch.device) -> nn.Module
         return model
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_mb,
-        forward_sync_buffers=False, init_sync=False, gradient_as_bucket_view=True)
+        **compat.ddp_options())
     if cfg.compression != "none":
         ddp.register_comm_hook(None, compression_hook(cfg.compression, dist.get_backend()))
     return ddp

@@ -7,6 +7,7 @@ the same yardstick: the time the run would take at 100% of the device's peak rat
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import torch
@@ -18,23 +19,39 @@ from ..models import build_model
 from ..recipe import Recipe
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s from the vendors' datasheets, for the
-# precisions a recipe runs in. Matched by substring of the device name, first match wins.
-KNOWN_PEAKS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12}),
-    ("H100 PCIe", {"bf16": 756.0e12, "fp16": 756.0e12}),
-    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12}),
-    ("A100", {"bf16": 312.0e12, "fp16": 312.0e12}),
-    ("V100", {"fp16": 125.0e12}),
-    ("L4", {"bf16": 121.0e12, "fp16": 121.0e12}),
-    ("RTX 4090", {"bf16": 165.2e12, "fp16": 165.2e12}),
+# precisions a recipe runs in, keyed by the tokens of the name torch.cuda.get_device_name
+# gives (split at spaces and hyphens, upper case). A name matches an entry when it holds all
+# of the entry's tokens as whole tokens ("A1000" is not "A100", "L40S" is not "L4"), and the
+# entry with the most tokens wins ("H100 NVL" over "H100"). An unknown GPU gets no peak.
+KNOWN_PEAKS: list[tuple[tuple[str, ...], dict[str, float]]] = [
+    (("H200",), {"bf16": 989.4e12, "fp16": 989.4e12}),            # H200 SXM (1,979 with sparsity)
+    (("H200", "NVL"), {"bf16": 835.5e12, "fp16": 835.5e12}),     # H200 NVL (1,671 sparse)
+    (("H100",), {"bf16": 989.4e12, "fp16": 989.4e12}),            # H100 SXM, "NVIDIA H100 80GB HBM3"
+    (("H100", "PCIE"), {"bf16": 756.0e12, "fp16": 756.0e12}),    # H100 PCIe (1,513 sparse)
+    (("H100", "NVL"), {"bf16": 835.5e12, "fp16": 835.5e12}),     # H100 NVL, per GPU (1,671 sparse)
+    (("A100",), {"bf16": 312.0e12, "fp16": 312.0e12}),            # A100 SXM4 and PCIe
+    (("V100",), {"fp16": 125.0e12}),                              # V100 SXM2 (no bf16 tensor cores)
+    (("V100", "PCIE"), {"fp16": 112.0e12}),
+    (("T4",), {"fp16": 65.0e12}),
+    (("L4",), {"bf16": 121.0e12, "fp16": 121.0e12}),              # (242 sparse)
+    (("L40",), {"bf16": 181.0e12, "fp16": 181.0e12}),             # (362 sparse)
+    (("L40S",), {"bf16": 362.0e12, "fp16": 362.0e12}),            # (733 sparse)
+    (("RTX", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12}),      # fp16 accumulate; 82.6 with fp32
 ]
 
 
+def name_tokens(device_name: str) -> frozenset[str]:
+    return frozenset(t for t in re.split(r"[\s\-_/]+", device_name.upper()) if t)
+
+
 def known_peak(device_name: str, precision: str) -> float | None:
-    for key, peaks in KNOWN_PEAKS:
-        if key in device_name:
-            return peaks.get(precision)
-    return None
+    """The datasheet peak of the GPU called ``device_name`` in ``precision``, or None for a
+    GPU (or precision) not in :data:`KNOWN_PEAKS`."""
+    tokens = name_tokens(device_name)
+    matches = [(len(key), peaks) for key, peaks in KNOWN_PEAKS if tokens.issuperset(key)]
+    if not matches:
+        return None
+    return max(matches, key=lambda m: m[0])[1].get(precision)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .. import compat
 from ..errors import RecipeError
 from ..recipe import RuntimeConfig
 
@@ -65,7 +66,7 @@ class Runtime:
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.compile and self.compile_mode == "reduce-overhead" and self.device.type == "cuda"
+        return uses_cuda_graphs(self.device.type, self.compile, self.compile_mode, self.compile_backend)
 
     @property
     def cudnn_benchmark(self) -> bool:
@@ -87,8 +88,7 @@ class Runtime:
             torch.backends.cudnn.benchmark = True
         if self.compile:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
-            dynamo.config.recompile_limit = RECOMPILE_LIMIT
-            dynamo.config.fail_on_recompile_limit_hit = True
+            compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
 
     def mark_step(self) -> None:
         """Before each training step under CUDA graphs: the previous step's outputs may be
@@ -102,6 +102,26 @@ class Runtime:
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark}
+
+
+CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+"""The ``torch.compile`` modes in which inductor replays compiled code as CUDA graphs
+(``list_mode_options(mode)["triton.cudagraphs"]``; "max-autotune-no-cudagraphs" does not)."""
+
+
+def uses_cuda_graphs(device_type: str, compile_: bool, mode: str, backend: str) -> bool:
+    """Whether compiled code replays as CUDA graphs, so that each training step must begin
+    with ``cudagraph_mark_step_begin()``: on CUDA, compiled by inductor (other backends take
+    no mode) in a mode that uses them."""
+    return device_type == "cuda" and compile_ and backend == "inductor" and mode in CUDA_GRAPH_MODES
+
+
+def auto_cuda_precision(capability: tuple[int, int]) -> str:
+    """"auto" precision on a CUDA device of compute ``capability``: bf16 where the tensor cores
+    compute it (Ampere, 8.0, and later), else fp16 with loss scaling (V100 7.0, T4 7.5).
+    ``torch.cuda.is_bf16_supported()`` is not asked: by default it counts emulated bf16 too,
+    which would pick bf16 on a V100 or T4 and never reach fp16."""
+    return "bf16" if tuple(capability) >= (8, 0) else "fp16"
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -118,13 +138,14 @@ def pick_device(requested: str | None) -> torch.device:
 def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
-    CUDA: bf16 autocast (fp16 where bf16 is unsupported), compiled. CPU: fp32, eager.
+    CUDA: bf16 autocast on compute capability 8.0 and later, fp16 with loss scaling before it
+    (:func:`auto_cuda_precision`), compiled. CPU: fp32, eager.
     channels_last is the recipe's choice (default on: measured 1.6x faster than NCHW for the
     speed net on a 2-core AVX-512 CPU, and what tensor cores want)."""
     cuda = device.type == "cuda"
     precision = cfg.precision
     if precision == "auto":
-        precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+        precision = auto_cuda_precision(torch.cuda.get_device_capability(device)) if cuda else "fp32"
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"

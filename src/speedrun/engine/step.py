@@ -148,8 +148,9 @@ class TrainStep:
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self._forward_loss, self._update = self.forward_loss, self.update
         if runtime.compile:
-            if runtime.cuda_graphs:                   # CUDA graphs keep state tensors at fixed addresses
-                for t in self.state_tensors():
+            if runtime.cuda_graphs:                   # CUDA graphs read and write these at fixed addresses
+                live = self.averager.live if self.averager is not None else []
+                for t in {id(t): t for t in self.state_tensors() + self.params + live}.values():
                     torch._dynamo.mark_static_address(t)
             self._forward_loss = compile_function(self.forward_loss, runtime)
             self._update = compile_function(self.update, runtime)

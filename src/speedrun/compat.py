@@ -1,0 +1,56 @@
+"""Differences between torch releases, detected once, in one place, from what the installed
+torch offers (never from its version string): the rest of the code asks here.
+
+Tested releases: 2.13.0 and 2.14.1 (CI runs both). pyproject admits nothing older, because
+nothing older has run a test; on an older torch these detections pick the equivalent older
+spelling where there is one (what each falls back to is said beside it)."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+def accepts(fn, name: str) -> bool:
+    """Whether the callable ``fn`` takes a keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def ddp_options_for(init) -> dict:
+    """DistributedDataParallel keyword arguments for a DDP whose ``__init__`` is ``init``:
+    buffers are not synchronised at each forward (batch-norm statistics are averaged before
+    each evaluation instead), and no broadcast at construction (every rank starts from the
+    same seed, checked by a checksum). torch 2.13 spells the first ``forward_sync_buffers=False``
+    (its ``broadcast_buffers`` is deprecated); older releases ``broadcast_buffers=False``,
+    which also leaves buffers out of the construction-time sync, moot with ``init_sync=False``.
+    ``init_sync`` itself is left out where DDP lacks it (then it broadcasts once at start)."""
+    options = {"gradient_as_bucket_view": True}
+    if accepts(init, "forward_sync_buffers"):
+        options["forward_sync_buffers"] = False
+    else:
+        options["broadcast_buffers"] = False
+    if accepts(init, "init_sync"):
+        options["init_sync"] = False
+    return options
+
+
+@functools.cache
+def ddp_options() -> dict:
+    return ddp_options_for(torch.nn.parallel.DistributedDataParallel.__init__)
+
+
+def set_recompile_limit(config, limit: int) -> None:
+    """Dynamo's per-function graph limit (``recompile_limit``; ``cache_size_limit`` before it
+    was renamed), and an error instead of a silent fall-back to eager when it is passed, where
+    the release has that switch (``fail_on_recompile_limit_hit``)."""
+    if hasattr(config, "recompile_limit"):
+        config.recompile_limit = limit
+    else:
+        config.cache_size_limit = limit
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True

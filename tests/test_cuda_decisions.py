@@ -1,0 +1,141 @@
+"""Decisions the CUDA path makes, tested on the CPU as pure functions of what a GPU or a
+library reports: precision by compute capability, which compile modes use CUDA graphs,
+datasheet peaks by device name, which errors are out of memory and which mean a lost peer,
+the channel-statistics chunk size, and the DDP arguments of the installed torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun import compat
+from speedrun.data.resident import STATS_BYTES, channel_stats, stats_chunk
+from speedrun.engine.batch_finder import is_out_of_memory
+from speedrun.engine.flops import known_peak
+from speedrun.engine.runtime import CUDA_GRAPH_MODES, Runtime, auto_cuda_precision, uses_cuda_graphs
+from speedrun.train import _lost_peer
+
+
+@pytest.mark.parametrize("capability, precision", [
+    ((7, 0), "fp16"),     # V100: fp16 tensor cores only (bf16 would be emulated)
+    ((7, 5), "fp16"),     # T4
+    ((8, 0), "bf16"),     # A100
+    ((8, 6), "bf16"),     # A10, RTX 3090
+    ((8, 9), "bf16"),     # L4, L40S, RTX 4090
+    ((9, 0), "bf16"),     # H100, H200
+    ((10, 0), "bf16"),    # B200
+    ((12, 0), "bf16"),    # RTX 5090
+])
+def test_auto_precision_follows_compute_capability(capability, precision):
+    assert auto_cuda_precision(capability) == precision
+
+
+def test_cuda_graph_modes_are_the_ones_inductor_replays_as_cuda_graphs():
+    """Checked against torch's own table of mode options, so a change of meaning in torch
+    fails here; only inductor takes a mode, and only on CUDA."""
+    from torch._inductor import list_mode_options
+    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        graphs = bool(list_mode_options(mode).get("triton.cudagraphs", False))
+        assert (mode in CUDA_GRAPH_MODES) == graphs, mode
+        assert uses_cuda_graphs("cuda", True, mode, "inductor") == graphs
+        assert not uses_cuda_graphs("cuda", True, mode, "aot_eager")       # the mode is dropped there
+        assert not uses_cuda_graphs("cpu", True, mode, "inductor")
+        assert not uses_cuda_graphs("cuda", False, mode, "inductor")
+    assert Runtime(torch.device("cuda"), "bf16", True, True, "max-autotune").cuda_graphs
+
+
+@pytest.mark.parametrize("name, bf16, fp16", [
+    ("NVIDIA H100 80GB HBM3", 989.4e12, 989.4e12),
+    ("NVIDIA H100 PCIe", 756.0e12, 756.0e12),
+    ("NVIDIA H100 NVL", 835.5e12, 835.5e12),
+    ("NVIDIA H200", 989.4e12, 989.4e12),
+    ("NVIDIA A100-SXM4-80GB", 312.0e12, 312.0e12),
+    ("NVIDIA A100 80GB PCIe", 312.0e12, 312.0e12),
+    ("NVIDIA RTX A1000", None, None),                 # not an A100
+    ("NVIDIA L4", 121.0e12, 121.0e12),
+    ("NVIDIA L40S", 362.0e12, 362.0e12),              # not an L4
+    ("NVIDIA L40", 181.0e12, 181.0e12),
+    ("Tesla V100-SXM2-16GB", None, 125.0e12),
+    ("Tesla V100-PCIE-32GB", None, 112.0e12),
+    ("Tesla T4", None, 65.0e12),
+    ("NVIDIA GeForce RTX 4090", 165.2e12, 165.2e12),
+    ("NVIDIA A10G", None, None),                      # unknown: no peak rather than a wrong one
+])
+def test_datasheet_peaks_match_whole_model_names(name, bf16, fp16):
+    assert known_peak(name, "bf16") == bf16 and known_peak(name, "fp16") == fp16
+
+
+@pytest.mark.parametrize("text, oom", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", True),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True),
+    ("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+     "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)", True),
+    ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+     False),
+    ("CUDA error: an illegal memory access was encountered", False),
+    ("mat1 and mat2 shapes cannot be multiplied (4x5 and 6x7)", False),
+])
+def test_out_of_memory_is_recognised_in_every_library_s_words(text, oom):
+    assert is_out_of_memory(RuntimeError(text)) is oom
+    assert is_out_of_memory(torch.OutOfMemoryError("anything"))
+
+
+@pytest.mark.parametrize("err, lost", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                  "[10.0.0.2]:40123"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for "
+                  "recv operation to complete"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer"), True),
+    (RuntimeError("NCCL communicator was aborted on rank 1."), True),
+    (RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) "
+                  "ran for 600000 milliseconds before timing out."), True),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                  "details), NCCL version 2.21.5"), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (RuntimeError("CUDA error: device-side assert triggered"), False),
+    (RuntimeError("Expected all tensors to be on the same device"), False),
+])
+def test_a_local_cuda_error_is_not_blamed_on_other_ranks(err, lost):
+    assert _lost_peer(err) is lost
+
+
+def test_distributed_network_errors_are_lost_peers():
+    assert _lost_peer(torch.distributed.DistNetworkError("recv failed"))
+
+
+def test_channel_statistics_chunks_shrink_for_large_images_and_keep_the_result():
+    assert stats_chunk((3, 32, 32)) == STATS_BYTES // (8 * 3 * 32 * 32) == 2730
+    assert stats_chunk((3, 224, 224)) == 55 and stats_chunk((3, 8192, 8192)) == 1
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (300, 3, 224, 224), generator=gen, dtype=torch.uint8)   # six chunks
+    mean, std = channel_stats(images)
+    x = images.double()
+    assert torch.allclose(mean.double(), x.mean(dim=(0, 2, 3)), rtol=1e-6)
+    assert torch.allclose(std.double(), x.transpose(0, 1).reshape(3, -1).std(dim=1), rtol=1e-5)
+
+
+def test_ddp_arguments_follow_what_the_installed_release_accepts():
+    def new_ddp(self, module, device_ids=None, bucket_cap_mb=None, init_sync=True, forward_sync_buffers=None,
+                gradient_as_bucket_view=False): ...
+
+    def old_ddp(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=25,
+                gradient_as_bucket_view=False): ...
+    assert compat.ddp_options_for(new_ddp) == {"gradient_as_bucket_view": True, "forward_sync_buffers": False,
+                                               "init_sync": False}
+    assert compat.ddp_options_for(old_ddp) == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+    # the installed torch takes every argument chosen for it
+    real = torch.nn.parallel.DistributedDataParallel.__init__
+    assert all(compat.accepts(real, k) for k in compat.ddp_options())
+
+
+def test_dynamo_limits_are_set_under_either_name():
+    class New:
+        recompile_limit, fail_on_recompile_limit_hit = 8, False
+
+    class Old:
+        cache_size_limit = 8
+    new, old = New(), Old()
+    compat.set_recompile_limit(new, 64)
+    compat.set_recompile_limit(old, 64)
+    assert (new.recompile_limit, new.fail_on_recompile_limit_hit) == (64, True) and old.cache_size_limit == 64
