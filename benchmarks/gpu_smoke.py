@@ -10,8 +10,10 @@ backend, plus cifar10-94 with CUDA graphs (runtime.compile_mode = reduce-overhea
 real widths, and a resume from a mid-run checkpoint on the device. For each entry the record
 holds: the warm-up (compile) seconds, graphs compiled during the timed run (must be 0), whether
 every loss was finite, the accuracy, ms per training step from CUDA events (median of
-consecutive steps), and over a profiled window of steps the GPU-busy time (kernel time /
-wall time): a step whose GPU is busy well under 80% of its wall time is host-bound.
+consecutive steps), and, over 10 more steps profiled after the timed run, the GPU-busy time:
+the union of the kernels' own intervals (each kernel once; overlapping streams once) over the
+profiled window, which starts and ends with the device synchronised. A step whose GPU is busy
+well under 80% of its wall time is host-bound.
 
 Options: --only TEXT (entries whose id contains it), --device cpu (check the script itself on
 a CPU), --budget SECONDS (start no entry after this; the record says which were left out).
@@ -74,34 +76,23 @@ def prepare_data(out: Path) -> None:
 
 # ------------------------------------------------------------------------------------------
 class StepTimer:
-    """The loop's progress protocol, recording a CUDA event after every step and profiling
-    the steps ``window`` (start, stop) for the GPU-busy time."""
+    """The loop's progress protocol, recording a CUDA event after every step (wall time on a
+    CPU); it reads nothing back during the run."""
 
-    def __init__(self, device: torch.device, window: tuple[int, int]):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.window, self.events, self.wall, self.profiler = window, [], [], None
+        self.events, self.wall = [], []
 
     def start(self, total_steps, epochs, batch_size):
         self.done = 0
 
-    def step(self, loss):
+    def step(self):
         self.done += 1
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             self.events.append(e)
         self.wall.append(time.perf_counter())
-        if self.done == self.window[0]:
-            from torch.profiler import ProfilerActivity, profile
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.profiler = profile(activities=acts)
-            self.profiler.start()
-            self.window_t0 = time.perf_counter()
-        elif self.done == self.window[1] and self.profiler is not None:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.window_wall = time.perf_counter() - self.window_t0
-            self.profiler.stop()
 
     def epoch(self, record):
         pass
@@ -115,17 +106,65 @@ class StepTimer:
             gaps = [(b - a) * 1000 for a, b in zip(self.wall[2:], self.wall[3:])]
         return statistics.median(gaps) if gaps else None
 
-    def gpu_busy(self) -> dict | None:
-        """Kernel time / wall time over the profiled window of steps."""
-        if self.profiler is None or not hasattr(self, "window_wall"):
-            return None
-        kernels = sum(e.self_device_time_total for e in self.profiler.key_averages()) / 1e6 if self.cuda else None
-        steps = self.window[1] - self.window[0]
-        out = {"steps": steps, "wall_ms_per_step": self.window_wall / steps * 1000}
-        if kernels is not None:
-            out.update(kernel_ms_per_step=kernels / steps * 1000, busy_fraction=kernels / self.window_wall,
-                       host_bound=kernels / self.window_wall < 0.8)
-        return out
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals: kernels that overlap (several
+    streams) count once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def busy_fraction(kernels: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Share of the wall-clock ``window`` (start, end) in which some kernel ran, kernels
+    clipped to the window."""
+    lo, hi = window
+    clipped = [(max(a, lo), min(b, hi)) for a, b in kernels if b > lo and a < hi]
+    return covered(clipped) / (hi - lo) if hi > lo else float("nan")
+
+
+WINDOW = "speedrun.profiled_window"
+
+
+def profile_steps(session, device: torch.device, steps: int = 10) -> dict:
+    """GPU-busy time over ``steps`` training steps after the timed run, on fresh batches of
+    the run's own pipeline: the device is synchronised before the profiler starts and before
+    it stops, and busy time is the union of the kernels' own intervals (the profiler's
+    device-side events; each kernel once, not also under the CPU op that launched it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from speedrun.bench.structure import real_batches
+    cuda = device.type == "cuda"
+    batches = real_batches(session, seed=1)
+    x, y = next(batches)
+    session.step(x, y)                                # one step outside the window
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=acts) as prof:
+        with record_function(WINDOW):            # the window, in the profiler's own clock
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                x, y = next(batches)
+                session.runtime.mark_step()
+                session.step(x, y)
+            sync()
+            wall = time.perf_counter() - t0
+    out = {"steps": steps, "wall_ms_per_step": wall / steps * 1000}
+    if cuda:
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        window = next(e.time_range for e in prof.events() if e.name == WINDOW)
+        if kernels:
+            frac = busy_fraction(kernels, (window.start, window.end))
+            out.update(kernel_ms_per_step=covered(kernels) / 1000 / steps, busy_fraction=frac,
+                       host_bound=frac < 0.8)
+    return out
 
 
 def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[str], label: str,
@@ -144,7 +183,7 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
         runtime = resolve_runtime(recipe.runtime, device)
         session = Session(recipe, source, runtime)
         steps = session.total_steps
-        timer = StepTimer(device, (min(3, steps), min(3 + 10, steps)))
+        timer = StepTimer(device)
         ckpt_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"smoke-{label}" if resume_check else None
         result = session.run(progress=timer, checkpoint_dir=ckpt_dir)
         losses = [h.train_loss for h in result.history]
@@ -152,7 +191,8 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
                    compile_seconds=session.compile_seconds, recompiles=result.recompiles,
                    finite_losses=all(math.isfinite(v) for v in losses), losses=losses, steps=result.steps,
                    test_acc=result.test_acc, train_seconds=result.train_seconds, step_ms=timer.step_ms(),
-                   gpu_busy=timer.gpu_busy(), batch_size=recipe.data.batch_size)
+                   batch_size=recipe.data.batch_size)
+        row["gpu_busy"] = profile_steps(session, device, min(10, steps))
         if resume_check:
             state = ckpt.load(ckpt_dir)
             resumed = session.run(resume=state)

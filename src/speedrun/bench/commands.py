@@ -5,11 +5,9 @@ import math
 import time
 from pathlib import Path
 
-import torch
 from rich.table import Table
 
-from ..data.augment import BatchAugment
-from ..data.dataset import open_pipeline, open_source
+from ..data.dataset import open_source
 from ..engine.loop import Session
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
@@ -20,6 +18,7 @@ from ..engine import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
 from .runner import run_bench
+from .structure import real_batches
 
 out = make_console()
 
@@ -154,41 +153,24 @@ def ablate_command(args) -> int:
 def time_split(session: Session, steps: int = 20, seed: int = 0) -> dict:
     """Seconds per step spent producing batches (data) and in the training step on them
     (model), with a device sync between the two, on a throw-away run of ``session``."""
-    rt, recipe = session.runtime, session.recipe
-    session.reset(seed)
-    data = open_pipeline(session.source, recipe, rt, seed)
-    session.step.reset(seed)
-    gen = torch.Generator(device=rt.device)
-    gen.manual_seed(seed)
-    augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
-                           resized_crop=not data.crops_in_workers)
+    rt = session.runtime
+    batches = real_batches(session, seed)
     data_s = model_s = 0.0
-    done = epoch = 0
-    session.model.train()
-    while done < steps:
-        batches = data.epoch(epoch, recipe.data.batch_size, augment, gen)
-        while done < steps:
-            rt.synchronize()
-            t0 = time.perf_counter()
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                break
-            rt.synchronize()
-            t1 = time.perf_counter()
-            rt.mark_step()
-            session.step(x, y)
-            if (done + 1) % session.total_steps == 0:
-                session.step.counter.zero_()            # more steps asked for than a run has
-            rt.synchronize()
-            data_s += t1 - t0
-            model_s += time.perf_counter() - t1
-            done += 1
-        epoch += 1
+    for done in range(steps):
+        rt.synchronize()
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        rt.synchronize()
+        t1 = time.perf_counter()
+        rt.mark_step()
+        session.step(x, y)
+        rt.synchronize()
+        data_s += t1 - t0
+        model_s += time.perf_counter() - t1
     session.reset(seed)
-    return {"steps": done, "data_seconds_per_step": data_s / done, "model_seconds_per_step": model_s / done,
-            "data_seconds_per_epoch": data_s / done * session.steps_per_epoch,
-            "model_seconds_per_epoch": model_s / done * session.steps_per_epoch}
+    return {"steps": steps, "data_seconds_per_step": data_s / steps, "model_seconds_per_step": model_s / steps,
+            "data_seconds_per_epoch": data_s / steps * session.steps_per_epoch,
+            "model_seconds_per_epoch": model_s / steps * session.steps_per_epoch}
 
 
 def flops_command(args) -> int:

@@ -109,12 +109,36 @@ def _dynamo_counts() -> tuple[int, int]:
     return int(sum(counters["graph_break"].values())), int(counters["stats"]["unique_graphs"])
 
 
+def real_batches(session, seed: int = 0):
+    """Batches of a fresh run of ``session`` (model and step reset from ``seed``, whitening
+    fitted), epoch after epoch, from the run's own pipeline and augmentation; the caller
+    drives ``session.step`` with them."""
+    from ..data.augment import BatchAugment
+    from ..data.dataset import open_pipeline
+    from ..engine.loop import epoch_size
+    rt, recipe = session.runtime, session.recipe
+    session.reset(seed)
+    data = open_pipeline(session.source, recipe, rt, seed, session.shard)
+    whiten = getattr(session.model, "whiten", None)
+    if whiten is not None:
+        whiten.fit(data.whitening_sample(recipe.model.whiten.samples))
+    session.step.reset(seed)
+    gen = torch.Generator(device=rt.device)
+    gen.manual_seed(seed)
+    augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
+                           resized_crop=not data.crops_in_workers)
+    session.model.train()
+    epoch = 0
+    while True:
+        size = epoch_size(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
+        yield from data.epoch(epoch, recipe.data.batch_size, augment, gen, size=size)
+        epoch += 1
+
+
 def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int = 0, seed: int = 0) -> dict:
     """Structure (and, with ``timed_steps``, milliseconds) of the training step of ``recipe``
     on ``source`` in ``runtime``: every step of the first epoch (or the first ``steps``)."""
-    from ..data.augment import BatchAugment
-    from ..data.dataset import open_pipeline
-    from ..engine.loop import Session, epoch_size
+    from ..engine.loop import Session
     import torch._dynamo as dynamo
     dynamo.reset()
     from torch._dynamo.utils import counters
@@ -124,21 +148,9 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
     build_seconds = time.perf_counter() - t0
     breaks, graphs = _dynamo_counts()
     rt = runtime
-    session.reset(seed)
-    data = open_pipeline(session.source, session.recipe, rt, seed, session.shard)
-    whiten = getattr(session.model, "whiten", None)
-    if whiten is not None:
-        whiten.fit(data.whitening_sample(session.recipe.model.whiten.samples))
-    session.step.reset(seed)
-    gen = torch.Generator(device=rt.device)
-    gen.manual_seed(seed)
-    augment = BatchAugment(session.recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean,
-                           data.std, resized_crop=not data.crops_in_workers)
     n = min(steps or session.steps_per_epoch, session.steps_per_epoch)
-    size = epoch_size(session.recipe, 0, data.image_size[0])
-    batches = data.epoch(0, session.recipe.data.batch_size, augment, gen, size=size)
+    batches = real_batches(session, seed)
     per_step, pipeline = [], []
-    session.model.train()
     for _ in range(n):
         box = []
         pipeline.append(profiled(lambda: box.append(next(batches))))
@@ -147,11 +159,7 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
         per_step.append(profiled(session.step, x, y))
     ms = []
     for _ in range(timed_steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = data.epoch(1, session.recipe.data.batch_size, augment, gen, size=size)
-            x, y = next(batches)
+        x, y = next(batches)
         rt.synchronize()
         t = time.perf_counter()
         rt.mark_step()

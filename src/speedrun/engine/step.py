@@ -178,7 +178,7 @@ class TrainStep:
         r = self.r
         with self.rt.autocast():
             if self.mixing:
-                pixel_lam, box, lam = self.mix.at(self.counter)
+                pixel_lam, box, lam = self.mix.at(self.counter % self.total)
                 x = apply_mix(x, pixel_lam, box)
             logits = self.module(x).float()
         smoothing = r.train.label_smoothing
@@ -199,7 +199,7 @@ class TrainStep:
         """The optimizer and averaging update after the backward passes, and the step's
         metrics; see the module docstring."""
         step = self.counter
-        at = step.reshape(1)
+        at = (step % self.total).reshape(1)     # (drivers that profile may run more steps than a run has)
         lr_mult = self.lr_table.index_select(0, at)[0]
         momentum = None if self.mom_table is None else self.mom_table.index_select(0, at)[0]
         overflow = torch.zeros(1, device=step.device)
