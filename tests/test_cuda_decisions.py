@@ -139,3 +139,40 @@ def test_dynamo_limits_are_set_under_either_name():
     compat.set_recompile_limit(new, 64)
     compat.set_recompile_limit(old, 64)
     assert (new.recompile_limit, new.fail_on_recompile_limit_hit) == (64, True) and old.cache_size_limit == 64
+
+
+SYNC_BN = """
+import os, sys, torch, torch.distributed as dist
+import torch._dynamo as dynamo
+from speedrun.models.norm import BatchNorm
+from speedrun.recipe import NormConfig
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+bn = BatchNorm(4, NormConfig(sync_ranks=0))
+bn.group = dist.group.WORLD
+x = torch.randn(8, 4, 5, 5, requires_grad=True)
+def loss(x):
+    return (bn(x) * torch.arange(4.0)[:, None, None]).square().sum()
+explained = dynamo.explain(loss)(x)
+eager = loss(x); eager.backward(); g_eager = x.grad.clone(); x.grad = None
+compiled = torch.compile(loss, backend="aot_eager")(x); compiled.backward()
+print(explained.graph_count, explained.graph_break_count, torch.allclose(eager, compiled),
+      torch.allclose(g_eager, x.grad, atol=1e-6))
+dist.destroy_process_group()
+"""
+
+
+def test_synchronised_batch_norm_compiles_into_one_graph_with_its_all_reduce():
+    """One gloo process is a real process group: the compiled model keeps its all-reduce in
+    the graph (no break, no silent eager) and computes what eager computes, gradients too."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", SYNC_BN, str(port)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "0", "True", "True"], proc.stdout + proc.stderr[-2000:]

@@ -58,6 +58,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "target": recipe.target,
         "test_acc": result.test_acc,
         "test_acc_no_tta": result.test_acc_no_tta,
+        "test_images": result.test_images,
         "tta": recipe.eval.tta,
         "epochs": result.epochs,
         "steps": result.steps,

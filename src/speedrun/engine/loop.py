@@ -82,6 +82,7 @@ class RunResult:
     skipped_images: int = 0
     resumed_from_step: int | None = None
     normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
+    test_images: int = 0
 
 
 class NonFiniteLoss(RuntimeError):
@@ -415,7 +416,7 @@ class Session:
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
                          resumed_from_step=resume["step"] if resume else None,
-                         normalisation=(data.mean.tolist(), data.std.tolist()))
+                         normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test))
 
     def _evaluate(self, data, tta: str, fraction: float) -> torch.Tensor:
         """(correct with TTA, correct without, images) over the whole test set: each rank

@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.nn.functional import all_reduce
 
@@ -14,6 +15,31 @@ from ..recipe import NormConfig
 # an active exception", reproduced in 2 of 8 two-process runs); this one is reliable.
 warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_reduce is deprecated",
                         category=FutureWarning)
+
+
+class _TracedAllReduceSum(torch.autograd.Function):
+    """A differentiable sum over the group (backward: the same sum of the gradients) made of
+    functional collectives, which dynamo traces into the compiled graph; torch's
+    ``torch.distributed.nn.functional.all_reduce`` makes dynamo give up on the whole model
+    (a graph break per layer, and the compiled model silently runs eager)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def sum_over(stats: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-reduce (sum) of ``stats`` over ``group``: traced functional
+    collectives inside a compiled model, torch's autograd all-reduce in eager code (the
+    functional ones aborted gloo processes at exit now and then, see above)."""
+    if torch.compiler.is_compiling():
+        return _TracedAllReduceSum.apply(stats, group)
+    return all_reduce(stats, group=group)
 
 
 class BatchNorm(nn.BatchNorm2d):
@@ -58,7 +84,7 @@ class BatchNorm(nn.BatchNorm2d):
         stats = torch.cat([x.sum(dim=(0, 2, 3)), x.square().sum(dim=(0, 2, 3)),
                            x.new_full((1,), x.numel() // c)])
         if self.group is not None:
-            stats = all_reduce(stats, group=self.group)              # differentiable (backward: all-reduce)
+            stats = sum_over(stats, self.group)                      # differentiable (backward: all-reduce)
         count = stats[-1]
         mean = stats[:c] / count
         var = (stats[c:2 * c] / count - mean.square()).clamp_min(0)
