@@ -75,6 +75,7 @@ def main() -> int:
     p.add_argument("--precisions", default="fp32,bf16,fp16")
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed per recipe at full width (0: none)")
     p.add_argument("--no-structure", action="store_true", help="only the timing")
+    p.add_argument("--timing-precisions", default="fp32,bf16")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     env = environment()
@@ -107,7 +108,7 @@ def main() -> int:
         save()
     if args.timed_steps:
         for name in recipes:
-            for precision in ("fp32", "bf16"):
+            for precision in args.timing_precisions.split(","):
                 for compiled in (False, True):
                     row = one(name, precision, compiled, args.backend, [], timed_steps=args.timed_steps, steps=1)
                     timing.append({k: row[k] for k in ("recipe", "precision", "compiled", "backend", "overrides",
