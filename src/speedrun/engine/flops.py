@@ -63,7 +63,10 @@ def measured_peak(device_type: str, precision: str, size: int | None = None, rep
     above 100% against it is possible there."""
     device = torch.device(device_type)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    n = size or (8192 if device.type == "cuda" else 2048)
+    # On a CPU without native bf16/fp16 arithmetic (no AVX-512 BF16 or AMX) a 2048-wide half
+    # product is emulated and took minutes here at every run's end; 1024 (fp32) and 512 (half)
+    # still fill the caches' worth of work a lower bound needs.
+    n = size or (8192 if device.type == "cuda" else (1024 if precision == "fp32" else 512))
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
