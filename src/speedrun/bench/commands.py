@@ -18,7 +18,7 @@ from ..engine import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
 from .runner import run_bench
-from .structure import real_batches
+from .structure import real_batches, timed_step
 
 out = make_console()
 
@@ -156,17 +156,13 @@ def time_split(session: Session, steps: int = 20, seed: int = 0) -> dict:
     rt = session.runtime
     batches = real_batches(session, seed)
     data_s = model_s = 0.0
-    for done in range(steps):
+    for _ in range(steps):
         rt.synchronize()
         t0 = time.perf_counter()
         x, y = next(batches)
         rt.synchronize()
-        t1 = time.perf_counter()
-        rt.mark_step()
-        session.step(x, y)
-        rt.synchronize()
-        data_s += t1 - t0
-        model_s += time.perf_counter() - t1
+        data_s += time.perf_counter() - t0
+        model_s += timed_step(session, x, y)
     session.reset(seed)
     return {"steps": steps, "data_seconds_per_step": data_s / steps, "model_seconds_per_step": model_s / steps,
             "data_seconds_per_epoch": data_s / steps * session.steps_per_epoch,

@@ -135,6 +135,17 @@ def real_batches(session, seed: int = 0):
         epoch += 1
 
 
+def timed_step(session, x, y) -> float:
+    """Seconds of one training step on (x, y), with the device synchronised before and after."""
+    rt = session.runtime
+    rt.synchronize()
+    t = time.perf_counter()
+    rt.mark_step()
+    session.step(x, y)
+    rt.synchronize()
+    return time.perf_counter() - t
+
+
 def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int = 0, seed: int = 0) -> dict:
     """Structure (and, with ``timed_steps``, milliseconds) of the training step of ``recipe``
     on ``source`` in ``runtime``: every step of the first epoch (or the first ``steps``)."""
@@ -157,15 +168,7 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
         x, y = box[0]
         rt.mark_step()
         per_step.append(profiled(session.step, x, y))
-    ms = []
-    for _ in range(timed_steps):
-        x, y = next(batches)
-        rt.synchronize()
-        t = time.perf_counter()
-        rt.mark_step()
-        session.step(x, y)
-        rt.synchronize()
-        ms.append((time.perf_counter() - t) * 1e3)
+    ms = [timed_step(session, *next(batches)) * 1e3 for _ in range(timed_steps)]
     breaks_after, graphs_after = _dynamo_counts()
     worst = max(per_step, key=lambda c: (c["eager_ops"], c["host_syncs"], c["compiled_regions"]))
     return {
