@@ -91,7 +91,8 @@ def test_flop_count_of_cifar10_94_matches_a_hand_count():
 def test_run_flops_and_efficiency():
     r = load_recipe("cifar10-94")
     per = flops.per_image_flops(r, 3, 10, (32, 32))
-    total = flops.run_flops(r, per, 476 * 1024, 10_000)
+    total = flops.run_flops(r, 3, 10, (32, 32), [(32, 32)] * 476, 10_000)
+    assert total["train_flops"] == pytest.approx(476 * r.data.batch_size * per["train"])
     assert total["eval_flops"] == pytest.approx(6 * 10_000 * per["forward"])     # six TTA views
     eff = flops.efficiency(total["total_flops"], 3.0, "cuda", "NVIDIA H100 80GB HBM3", "bf16")
     assert eff["peak_source"] == "datasheet" and eff["peak_flops_per_s"] == 989.4e12
@@ -212,6 +213,24 @@ def test_ablate_writes_table_and_chart(bench_records):
     png = (out / "ablation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert "without label_smoothing" in stdout and "epochs to target" in stdout
+
+
+def test_run_flops_counts_each_step_at_the_size_it_trains_at():
+    """Progressive resizing: steps at 16 px cost what a 16 px image costs, not a full one."""
+    from speedrun.engine import flops
+    from speedrun.engine.loop import epoch_size
+    recipe = load_recipe("cifar10-94", ["train.epochs=4", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]"])
+    spe = 10
+    sizes = [(epoch_size(recipe, e, 32),) * 2 for e in range(4) for _ in range(spe)]
+    assert sizes.count((16, 16)) == 20 and sizes.count((32, 32)) == 20
+    got = flops.run_flops(recipe, 3, 10, (32, 32), sizes, 100)
+    small, full = (flops.per_image_flops(recipe, 3, 10, s)["train"] for s in ((16, 16), (32, 32)))
+    assert small < 0.3 * full                                   # a quarter of the pixels, plus the head
+    batch = recipe.data.batch_size
+    assert got["train_flops"] == pytest.approx(20 * batch * (small + full))
+    assert got["train_steps_by_size"] == {"16x16": 20, "32x32": 20}
+    plain = flops.run_flops(load_recipe("cifar10-94", ["train.epochs=4"]), 3, 10, (32, 32), [(32, 32)] * 40, 100)
+    assert got["eval_flops"] == plain["eval_flops"] and got["train_flops"] < 0.7 * plain["train_flops"]
 
 
 def test_flops_command_reports_the_split(tmp_path, fashion_small):

@@ -59,6 +59,10 @@ def test_cuda_graph_modes_are_the_ones_inductor_replays_as_cuda_graphs():
     ("Tesla T4", None, 65.0e12),
     ("NVIDIA GeForce RTX 4090", 165.2e12, 165.2e12),
     ("NVIDIA A10G", None, None),                      # unknown: no peak rather than a wrong one
+    ("NVIDIA A10", 125.0e12, 125.0e12),               # not an A100, nor the A10G
+    ("NVIDIA A40", 149.7e12, 149.7e12),
+    ("Tesla V100S-PCIE-32GB", None, 130.0e12),        # not a V100
+    ("NVIDIA GH200 480GB", 989.4e12, 989.4e12),       # not an H200
 ])
 def test_datasheet_peaks_match_whole_model_names(name, bf16, fp16):
     assert known_peak(name, "bf16") == bf16 and known_peak(name, "fp16") == fp16

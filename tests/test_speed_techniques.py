@@ -97,10 +97,10 @@ def test_partial_tta_applies_the_views_to_the_least_confident_images(tta):
 
 
 def test_flop_count_follows_the_tta_fraction():
-    from speedrun.engine.flops import run_flops
+    from speedrun.engine.flops import per_image_flops, run_flops
     r = load_recipe("cifar10-94", ["eval.tta_fraction=0.2"])
-    per = {"train": 1.0, "forward": 1.0}
-    assert run_flops(r, per, 0, 10_000)["eval_flops"] == pytest.approx(10_000 * (1 + 5 * 0.2))
+    forward = per_image_flops(r, 3, 10, (32, 32))["forward"]
+    assert run_flops(r, 3, 10, (32, 32), [], 10_000)["eval_flops"] == pytest.approx(10_000 * forward * (1 + 5 * 0.2))
 
 
 @pytest.mark.parametrize("filters", ["orthogonal", "same"])

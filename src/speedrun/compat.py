@@ -54,3 +54,19 @@ def set_recompile_limit(config, limit: int) -> None:
         config.cache_size_limit = limit
     if hasattr(config, "fail_on_recompile_limit_hit"):
         config.fail_on_recompile_limit_hit = True
+
+
+def cpu_bf16_units() -> tuple[str, ...]:
+    """The CPU's native bf16 arithmetic, as torch's own CPU feature detection reports it:
+    "avx512_bf16" (AVX-512 BF16 dot products: Zen 4 and 5, Cooper Lake) and "amx" (AMX tiles:
+    Sapphire Rapids and later). Empty where there is neither (bf16 is then emulated in fp32
+    code, slower than fp32 itself) or where this torch cannot say (treated as neither)."""
+    units = []
+    for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):
+        ask = getattr(torch.cpu, probe, None)
+        try:
+            if ask is not None and ask():
+                units.append(name)
+        except RuntimeError:
+            pass
+    return tuple(units)

@@ -32,8 +32,8 @@ def out_of_memory_message(recipe: Recipe, device) -> str:
 
 def flop_figures(recipe: Recipe, result: RunResult, session: Session) -> dict:
     ds, rt = session.dataset, session.runtime
-    per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
-    total = flops.run_flops(recipe, per_image, result.steps * recipe.data.batch_size, len(ds.test_y))
+    sizes = session.step_sizes(recipe, result.steps, session.steps_per_epoch)
+    total = flops.run_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size, sizes, len(ds.test_y))
     eff = flops.efficiency(total["total_flops"], result.train_seconds, rt.device.type,
                            device_name(rt.device), rt.precision)
     return {**total, **eff}
@@ -208,6 +208,8 @@ def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> 
     env = environment()
     recipe, source = open_source(recipe, args.data_dir)
     say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
+    for choice in runtime.choices:
+        say(choice)
     try:
         session, result = _train(recipe, source, runtime, record, resume, say, args, world)
         recipe = session.recipe

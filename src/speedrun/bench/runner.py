@@ -55,7 +55,6 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
     load_seconds = time.perf_counter() - t_load
     session = Session(recipe, dataset, runtime, warm_up=True)
     recipe = session.recipe
-    per_image = flops.per_image_flops(recipe, dataset.in_channels, dataset.num_classes, dataset.image_size)
     record = {
         "recipe": recipe.name,
         "target": recipe.target,
@@ -96,8 +95,9 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
             atomic_write_json(out_path, record)
         if on_run is not None:
             on_run(i, run)
-    n_train = record["runs"][0]["steps"] * recipe.data.batch_size if runs else 0
-    total = flops.run_flops(recipe, per_image, n_train, len(dataset.test_y))
+    sizes = session.step_sizes(recipe, record["runs"][0]["steps"], session.steps_per_epoch) if runs else []
+    total = flops.run_flops(recipe, dataset.in_channels, dataset.num_classes, dataset.image_size, sizes,
+                            len(dataset.test_y))
     mean_time = record["summary"]["times"]["train+eval"]["mean"] if runs else 0.0
     record["flops"] = {**total, **flops.efficiency(total["total_flops"], mean_time, rt.device.type,
                                                    record["environment"]["device_name"], rt.precision)}

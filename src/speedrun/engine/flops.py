@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import re
 import time
+from collections import Counter
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,10 @@ KNOWN_PEAKS: list[tuple[tuple[str, ...], dict[str, float]]] = [
     (("A100",), {"bf16": 312.0e12, "fp16": 312.0e12}),            # A100 SXM4 and PCIe
     (("V100",), {"fp16": 125.0e12}),                              # V100 SXM2 (no bf16 tensor cores)
     (("V100", "PCIE"), {"fp16": 112.0e12}),
+    (("V100S",), {"fp16": 130.0e12}),                             # V100S PCIe
+    (("GH200",), {"bf16": 989.4e12, "fp16": 989.4e12}),           # Grace Hopper: its H100 is the SXM part
+    (("A10",), {"bf16": 125.0e12, "fp16": 125.0e12}),             # (250 sparse)
+    (("A40",), {"bf16": 149.7e12, "fp16": 149.7e12}),             # (299.4 sparse)
     (("T4",), {"fp16": 65.0e12}),
     (("L4",), {"bf16": 121.0e12, "fp16": 121.0e12}),              # (242 sparse)
     (("L40",), {"bf16": 181.0e12, "fp16": 181.0e12}),             # (362 sparse)
@@ -97,12 +103,20 @@ def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
     return {"forward": fwd.get_total_flops() / n, "train": train.get_total_flops() / n}
 
 
-def run_flops(recipe: Recipe, per_image: dict, train_images: int, test_images: int) -> dict:
-    """Total FLOPs of a run: training steps plus the final evaluation with TTA."""
-    train = per_image["train"] * train_images
+def run_flops(recipe: Recipe, in_channels: int, num_classes: int, image_size: tuple[int, int],
+              step_sizes: Sequence[tuple[int, int]], test_images: int) -> dict:
+    """Total FLOPs of a run: its training steps, each of ``data.batch_size`` images at the size
+    it trains at (``step_sizes``, one per step: progressive resizing makes early steps
+    cheaper), plus the final evaluation at full size with its TTA views."""
+    sizes = {tuple(s) for s in step_sizes} | {tuple(image_size)}
+    per_size = {s: per_image_flops(recipe, in_channels, num_classes, s) for s in sorted(sizes)}
+    full = per_size[tuple(image_size)]
+    steps_at = Counter(tuple(s) for s in step_sizes)
+    train = sum(per_size[s]["train"] * n for s, n in steps_at.items()) * recipe.data.batch_size
     extra_views = len(TTA_VIEWS[recipe.eval.tta]) - 1          # only tta_fraction of images get them
-    evaluate = per_image["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
-    return {"flops_per_train_image": per_image["train"], "flops_per_forward_image": per_image["forward"],
+    evaluate = full["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
+    return {"flops_per_train_image": full["train"], "flops_per_forward_image": full["forward"],
+            "train_steps_by_size": {f"{h}x{w}": n for (h, w), n in sorted(steps_at.items())},
             "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}
 
 

@@ -55,6 +55,7 @@ class Runtime:
     channels_last: bool
     compile_mode: str = "default"
     compile_backend: str = "inductor"
+    choices: tuple[str, ...] = ()          # why each "auto" became what it is (said at start, recorded)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,7 +102,8 @@ class Runtime:
                 "precision": self.precision, "compile": self.compile,
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
-                "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark}
+                "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
+                "runtime_choices": list(self.choices)}
 
 
 CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
@@ -124,6 +126,14 @@ def auto_cuda_precision(capability: tuple[int, int]) -> str:
     return "bf16" if tuple(capability) >= (8, 0) else "fp16"
 
 
+def auto_cpu_precision(bf16_units: tuple[str, ...]) -> str:
+    """"auto" precision on a CPU: bf16 autocast where the CPU computes bf16 natively
+    (``bf16_units``: AVX-512 BF16 or AMX, from :func:`speedrun.compat.cpu_bf16_units`), fp32
+    elsewhere, where bf16 is emulated and slower than fp32 (on a Zen 3 a bf16 matrix product
+    ran at a fraction of fp32's rate)."""
+    return "bf16" if bf16_units else "fp32"
+
+
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,20 +149,29 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
     CUDA: bf16 autocast on compute capability 8.0 and later, fp16 with loss scaling before it
-    (:func:`auto_cuda_precision`), compiled. CPU: fp32, eager.
+    (:func:`auto_cuda_precision`), compiled. CPU: bf16 autocast where the CPU has bf16
+    units, else fp32 (:func:`auto_cpu_precision`); eager.
     channels_last is the recipe's choice (default on: measured 1.6x faster than NCHW for the
     speed net on a 2-core AVX-512 CPU, and what tensor cores want)."""
     cuda = device.type == "cuda"
-    precision = cfg.precision
-    if precision == "auto":
-        precision = auto_cuda_precision(torch.cuda.get_device_capability(device)) if cuda else "fp32"
+    precision, choices = cfg.precision, []
+    if precision == "auto" and cuda:
+        capability = torch.cuda.get_device_capability(device)
+        precision = auto_cuda_precision(capability)
+        choices.append(f"precision {precision}: compute capability {capability[0]}.{capability[1]}"
+                       + (" has bf16 tensor cores" if precision == "bf16" else " has no bf16 tensor cores"))
+    elif precision == "auto":
+        units = compat.cpu_bf16_units()
+        precision = auto_cpu_precision(units)
+        choices.append(f"precision {precision}: " + (f"the CPU computes bf16 natively ({', '.join(units)})" if units
+                                                     else "the CPU has no native bf16 (AVX-512 BF16 or AMX)"))
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
     if backend not in ("inductor", "aot_eager", "eager"):
         raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
-    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend)
+    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices))
 
 
 # ------------------------------------------------------------------------------------------
