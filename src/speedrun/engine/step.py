@@ -144,6 +144,7 @@ class TrainStep:
         self.mixing = a.mixup > 0 or a.cutmix > 0
         self.mix = MixPlan(a.mixup, a.cutmix, a.mix_prob, step_sizes, r.train.seed, device) if self.mixing else None
         self.counter = torch.zeros((), dtype=torch.int64, device=device)
+        self.host_step = 0            # the counter's value, known on the host without asking the device
         self.metrics = torch.zeros(total_steps, 3, device=device)     # loss, correct count, overflow skipped
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self._forward_loss, self._update = self.forward_loss, self.update
@@ -169,6 +170,7 @@ class TrainStep:
             losses.append(loss.clone() if copy_outputs else loss)
             corrects.append(correct.clone() if copy_outputs else correct)
         self._update(losses, corrects)
+        self.host_step += 1                           # (outside the compiled update, which must not read it)
         for p in self.params:
             p.grad = None
 
@@ -212,7 +214,9 @@ class TrainStep:
             torch._foreach_copy_(after, [torch.where(overflow[0] > 0, b, a) for b, a in zip(before, after)])
             self.scaler.update(overflow)
         if self.averager is not None:
-            self.averager.update(step + 1)
+            # compiled: every-N decided on the device (one graph for every step); eager: on the
+            # host, which knows the step number, so the steps between averages skip the work
+            self.averager.update(step + 1 if self.rt.compile else self.host_step + 1)
         row = torch.stack([sum(losses), sum(corrects).float(), overflow[0]])
         self.metrics.index_copy_(0, at, row[None])
         self.counter.add_(1)
@@ -243,7 +247,7 @@ class TrainStep:
             self.averager.reset()
         if self.scaler is not None:
             self.scaler.reset()
-        self.counter.zero_()
+        self.rewind()
         self.metrics.zero_()
         self.lr_table.copy_(torch.tensor(self.lrs, dtype=torch.float32))
         if self.mix is not None:
@@ -255,7 +259,18 @@ class TrainStep:
         """LR 0 from here until :meth:`reset`, and the counter at step 0: the warm-up and the
         batch finder run real steps on random data that must not train anything."""
         self.lr_table.zero_()
-        self.counter.zero_()
+        self.rewind()
+
+    @torch.no_grad()
+    def rewind(self, to: int = 0) -> None:
+        """The step counter back to ``to`` (on the device and on the host)."""
+        self.counter.fill_(to)
+        self.host_step = to
+
+    @property
+    def averaging_due_after(self) -> int:
+        """A counter value whose step ends with an averaging update (the warm-up runs one)."""
+        return self.averager.cfg.every - 1 if self.averager is not None else 0
 
     def state_dict(self) -> dict:
         return {"optimizer": self.opt.state_dict(), "counter": int(self.counter),
@@ -267,6 +282,7 @@ class TrainStep:
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
         self.counter.fill_(state["counter"])
+        self.host_step = int(state["counter"])
         self.metrics.copy_(state["metrics"])
         if self.averager is not None and state["averager"] is not None:
             torch._foreach_copy_(self.averager.shadow, [t.to(self.counter.device) for t in state["averager"]])
