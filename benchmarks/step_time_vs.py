@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,15 @@ def sample(src: Path, recipe: str, steps: int, sets: list[str]) -> dict:
             "data_seconds_per_step": split["data_seconds_per_step"]}
 
 
+def ratio_interval(this: list[float], base: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """A 90% bootstrap interval of median(this) / median(base), resampling each side's
+    processes (which differ from one another by more than the trees do on a shared 2-core VM)."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(this, k=len(this))) /
+                    statistics.median(rng.choices(base, k=len(base))) for _ in range(draws))
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base_tree", type=Path, help="the other checkout (its src/ is used)")
@@ -62,10 +72,15 @@ def main() -> int:
             for name in (("base", "this") if r % 2 == 0 else ("this", "base")):
                 runs[name].append(sample(trees[name], recipe, args.steps, args.sets))
                 print(recipe, name, f"{runs[name][-1]['model_seconds_per_step'] * 1000:.1f} ms/step", flush=True)
-        med = {k: statistics.median(x["model_seconds_per_step"] for x in v) for k, v in runs.items()}
+        times = {k: [x["model_seconds_per_step"] for x in v] for k, v in runs.items()}
+        med = {k: statistics.median(v) for k, v in times.items()}
+        low, high = ratio_interval(times["this"], times["base"])
         record["recipes"][recipe] = {"runs": runs, "median_model_seconds_per_step": med,
-                                     "this_over_base": med["this"] / med["base"]}
-        print(f"{recipe}: this/base = {med['this'] / med['base']:.3f}", flush=True)
+                                     "mean_model_seconds_per_step": {k: statistics.fmean(v) for k, v in times.items()},
+                                     "this_over_base": med["this"] / med["base"],
+                                     "this_over_base_90pct_bootstrap": [low, high]}
+        print(f"{recipe}: this/base = {med['this'] / med['base']:.3f} (90% bootstrap interval {low:.3f}-{high:.3f})",
+              flush=True)
         atomic_write_json(args.out, record)
     return 0
 

@@ -142,9 +142,9 @@ def tiny64(artifacts, data_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def imagenet224(artifacts, data_dir) -> Path:
-    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: 96 train, 96 val images."""
+    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: 256 train, 256 val images."""
     return build_once(artifacts, "imagenet224", lambda tmp: _cli(
-        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 96,
+        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 256,
         "--size", 224))
 
 
@@ -158,12 +158,13 @@ def npz32(artifacts, jpeg32) -> Path:
 
 
 @pytest.fixture(scope="session")
-def npz64(artifacts, tiny64) -> Path:
-    """The 64 px Tiny-ImageNet-layout folder decoded once, for the resident path."""
+def tiny_npz32(artifacts, tiny64) -> Path:
+    """The 64 px Tiny-ImageNet-layout folder decoded once at 32 px (`speedrun data prepare
+    --size 32`), for the resident path."""
     def build(tmp):
         tmp.mkdir()
-        _cli("data", "prepare", tiny64, "--size", 64, "--out", tmp / "t64.npz", "--workers", 1)
-    return build_once(artifacts, "npz64", build) / "t64.npz"
+        _cli("data", "prepare", tiny64, "--size", 32, "--out", tmp / "t32.npz", "--workers", 1)
+    return build_once(artifacts, "tiny_npz32", build) / "t32.npz"
 
 
 TINY_BENCH = ["--set", "data.dataset=npz", "--set", "train.epochs=0.75", "--set", "model.widths=[8,16,16]",

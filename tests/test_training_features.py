@@ -69,8 +69,10 @@ def test_training_with_accumulation_learns(fashion_small, tmp_path):
 
 
 # ------------------------------------------------------------------------------- resume
-def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])        # eager: what "auto" is on CPUs without and with bf16
+def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision):
     args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--seed", "4", *TINY, "--set", "train.epochs=4",
+            "--set", f"runtime.precision={precision}",
             "--set", "data.batch_size=32", "--set", "model.widths=[32,64,64]",
             "--set", "eval.every=1", "--set", "checkpoint.every_steps=7"]          # 32 steps/epoch: mid-epoch
     speedrun(*args, "--out", tmp_path / "whole")
