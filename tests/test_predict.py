@@ -109,7 +109,8 @@ def test_prepared_images_are_the_runs_evaluation_batch_bit_for_bit(evaluated, jp
     x_eval, _ = next(iter(open_pipeline(source, r, loaded.runtime, 0).test_batches(r.eval.batch_size)))
     x, kept, skipped = prepare_images(loaded, [val.path(i) for i in range(len(x_eval))])
     assert skipped == [] and len(kept) == len(x_eval) == 200 and x.dtype == torch.float32
-    assert torch.equal(x, x_eval.float())
+    # the pipeline stores batches in the run's precision (bf16 where "auto" chose it): the same cast
+    assert x_eval.dtype == loaded.runtime.dtype and torch.equal(x.to(x_eval.dtype), x_eval)
 
 
 def test_predict_gives_the_classes_of_the_runs_evaluation(evaluated, jpeg32, tmp_path):
