@@ -13,7 +13,7 @@ from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
-from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session
+from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, TrainingStopped
 from .files import check_output_folder
@@ -122,8 +122,8 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
     and starts the run again. Only rank 0 shows progress and writes (the record and the
     ``--log`` metric logs)."""
     while True:
-        session = Session(recipe, source, runtime, say=say, world=world)
-        recipe = session.recipe                      # the batch finder may have changed it
+        recipe = settle(recipe, source, runtime, say)     # the batch finder may change data.batch_size
+        session = Session(recipe, source, runtime, world=world)
         if world.is_main:
             check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
             if resume is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from ..data.dataset import open_source
-from ..engine.loop import Session
+from ..engine.loop import Session, settle
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
 from ..files import OutputFolder, atomic_write_bytes, atomic_write_json, check_output_file, read_json_record
@@ -176,9 +176,10 @@ def flops_command(args) -> int:
         check_output_file(Path(args.json), "--json", overwrite=True)
     recipe, ds = open_source(recipe, args.data_dir)
     per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
+    recipe = settle(recipe, ds, runtime)
     session = Session(recipe, ds, runtime, warm_up=True)
-    sizes = session.step_sizes(session.recipe, session.total_steps, session.steps_per_epoch)
-    total = flops.run_flops(session.recipe, ds.in_channels, ds.num_classes, ds.image_size, sizes, len(ds.test_y))
+    sizes = session.step_sizes(recipe, session.total_steps, session.steps_per_epoch)
+    total = flops.run_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size, sizes, len(ds.test_y))
     name = device_name(runtime.device)
     peak = flops.known_peak(name, runtime.precision)
     measured = flops.measured_peak(runtime.device.type, runtime.precision)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from ..data.dataset import open_source
-from ..engine.loop import Session
+from ..engine.loop import Session, settle
 from ..engine.runtime import Runtime
 from ..recipe import Recipe
 from ..report.environment import environment
@@ -53,8 +53,8 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
     t_load = time.perf_counter()
     recipe, dataset = open_source(recipe, data_dir)
     load_seconds = time.perf_counter() - t_load
+    recipe = settle(recipe, dataset, runtime)
     session = Session(recipe, dataset, runtime, warm_up=True)
-    recipe = session.recipe
     record = {
         "recipe": recipe.name,
         "target": recipe.target,

@@ -218,6 +218,20 @@ def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
     return full if scale == 1 else nearest_multiple(full * scale, 8)
 
 
+def settle(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
+    """The recipe as the engine will run it, settled before a :class:`Session` is made: with
+    ``runtime.find_batch``, the largest ``data.batch_size`` whose real training step fits (a
+    model-only session probes it; the run's session then gets the same compiled model back).
+    The data-derived values were settled when the data was opened (``open_source``)."""
+    if not recipe.runtime.find_batch:
+        return recipe
+    probe = Session(recipe, source, runtime, probe_only=True)
+    try:
+        return fit_batch(recipe, probe._probe, runtime, say)
+    finally:
+        del probe
+
+
 class Session:
     """One recipe on one device, in one process of ``world`` (default: the only one). Its
     three jobs: build the model and its training step for the runtime (once per process,
@@ -227,15 +241,15 @@ class Session:
     ``warm_up``: run the warm-up even without compilation (benchmarks do, so that one-time
     costs such as kernel selection stay out of the first timed run)."""
 
-    def __init__(self, recipe: Recipe, source, runtime: Runtime, warm_up: bool = False, say=print,
-                 world: World = World()):
+    def __init__(self, recipe: Recipe, source, runtime: Runtime, warm_up: bool = False,
+                 world: World = World(), probe_only: bool = False):
         self.recipe, self.source, self.runtime, self.world = recipe, source, runtime, world
         runtime.activate()
         self.model, self.forward = self._build(recipe.train.seed)
         self.teacher = load_teacher(recipe.distill.teacher, runtime, source.in_channels,
                                     source.num_classes) if recipe.distill.teacher else None
-        if recipe.runtime.find_batch:
-            self.recipe = recipe = fit_batch(recipe, self._probe, runtime, say)
+        if probe_only:                                  # the model, for settle()'s probes: nothing to train
+            return
         self.local_batch = local_batch(recipe, world)
         self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
