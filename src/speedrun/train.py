@@ -30,10 +30,9 @@ def out_of_memory_message(recipe: Recipe, device) -> str:
             "per optim.ref_batch examples, so the recipe's meaning is kept)")
 
 
-def flop_figures(recipe: Recipe, result: RunResult, session: Session) -> dict:
-    ds, rt = session.dataset, session.runtime
-    sizes = session.step_sizes(recipe, result.steps, session.steps_per_epoch)
-    total = flops.run_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size, sizes, len(ds.test_y))
+def flop_figures(result: RunResult, session: Session) -> dict:
+    rt = session.runtime
+    total = session.run_flops(result.steps)
     eff = flops.efficiency(total["total_flops"], result.train_seconds, rt.device.type,
                            device_name(rt.device), rt.precision)
     return {**total, **eff}
@@ -73,7 +72,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "seed": result.seed,
         "skipped_images": result.skipped_images,
         "resumed_from_step": result.resumed_from_step,
-        **flop_figures(recipe, result, session),
+        **flop_figures(result, session),
         **parallel,
         **session.runtime.describe(),
         **env,

@@ -175,17 +175,15 @@ def flops_command(args) -> int:
     if args.json:
         check_output_file(Path(args.json), "--json", overwrite=True)
     recipe, ds = open_source(recipe, args.data_dir)
-    per_image = flops.per_image_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size)
     recipe = settle(recipe, ds, runtime)
     session = Session(recipe, ds, runtime, warm_up=True)
-    sizes = session.step_sizes(recipe, session.total_steps, session.steps_per_epoch)
-    total = flops.run_flops(recipe, ds.in_channels, ds.num_classes, ds.image_size, sizes, len(ds.test_y))
+    total = session.run_flops(session.total_steps)
     name = device_name(runtime.device)
     peak = flops.known_peak(name, runtime.precision)
     measured = flops.measured_peak(runtime.device.type, runtime.precision)
     split = time_split(session, args.steps)
     ideal = total["total_flops"] / (peak or measured)
-    model_rate = per_image["train"] * recipe.data.batch_size / split["model_seconds_per_step"]
+    model_rate = total["flops_per_train_image"] * recipe.data.batch_size / split["model_seconds_per_step"]
     record = {"recipe": recipe.name, "device_name": name, "precision": runtime.precision, **total,
               "known_peak_flops_per_s": peak, "measured_peak_flops_per_s": measured,
               "ideal_seconds": ideal, "split": split, "model_flops_per_s": model_rate,
@@ -193,8 +191,8 @@ def flops_command(args) -> int:
     t = Table(title=f"flops {recipe.name} on {name} ({runtime.precision})", show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
-    t.add_row("forward FLOPs per image", f"{per_image['forward'] / 1e6:,.2f} M")
-    t.add_row("training FLOPs per image (fwd + bwd)", f"{per_image['train'] / 1e6:,.2f} M")
+    t.add_row("forward FLOPs per image", f"{total['flops_per_forward_image'] / 1e6:,.2f} M")
+    t.add_row("training FLOPs per image (fwd + bwd)", f"{total['flops_per_train_image'] / 1e6:,.2f} M")
     if len(total["train_steps_by_size"]) > 1:
         t.add_row("training steps by image size", ", ".join(f"{n} at {size}" for size, n in
                                                            total["train_steps_by_size"].items()))

@@ -95,9 +95,7 @@ def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0:
             atomic_write_json(out_path, record)
         if on_run is not None:
             on_run(i, run)
-    sizes = session.step_sizes(recipe, record["runs"][0]["steps"], session.steps_per_epoch) if runs else []
-    total = flops.run_flops(recipe, dataset.in_channels, dataset.num_classes, dataset.image_size, sizes,
-                            len(dataset.test_y))
+    total = session.run_flops(record["runs"][0]["steps"] if runs else 0)
     mean_time = record["summary"]["times"]["train+eval"]["mean"] if runs else 0.0
     record["flops"] = {**total, **flops.efficiency(total["total_flops"], mean_time, rt.device.type,
                                                    record["environment"]["device_name"], rt.precision)}

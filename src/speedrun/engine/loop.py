@@ -31,6 +31,7 @@ from ..recipe import Recipe, steps_per_epoch, total_steps
 from ..models.norm import BatchNorm
 from . import checkpoint as ckpt
 from . import distributed
+from . import flops
 from .batch_finder import fit_batch
 from .distributed import World
 from .evaluate import evaluate
@@ -226,10 +227,7 @@ def settle(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
     if not recipe.runtime.find_batch:
         return recipe
     probe = Session(recipe, source, runtime, probe_only=True)
-    try:
-        return fit_batch(recipe, probe._probe, runtime, say)
-    finally:
-        del probe
+    return fit_batch(recipe, probe._probe, runtime, say)
 
 
 class Session:
@@ -314,6 +312,13 @@ class Session:
             s = epoch_size(recipe, e, full[0])
             sizes += [full if s == full[0] else (s, s)] * spe
         return sizes[:total]
+
+    def run_flops(self, steps: int) -> dict:
+        """FLOPs of a run of ``steps`` training steps (each at its own size) and the final
+        evaluation: :func:`speedrun.engine.flops.run_flops` for this session."""
+        src = self.source
+        sizes = self.step_sizes(self.recipe, steps, self.steps_per_epoch)
+        return flops.run_flops(self.recipe, src.in_channels, src.num_classes, src.image_size, sizes, len(src.test_y))
 
     def _train_step(self, recipe: Recipe) -> TrainStep:
         total = total_steps(recipe, len(self.source.train_y))
