@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +57,7 @@ def data(recipe: str, train: int = 2048, test: int = 512):
 
 
 def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str], timed_steps: int = 0,
-        steps: int = 4) -> dict:
+        steps: int = 4, world=None) -> dict:
     os.environ[BACKEND_VARIABLE] = backend
     batch = TIMED_BATCH[name] if timed_steps else BATCH[name]
     overrides = ([] if timed_steps else NARROW[name]) + [f"data.batch_size={batch}", "eval.batch_size=512", *sets]
@@ -63,9 +66,45 @@ def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str]
     recipe = load_recipe(name, overrides)
     rt = Runtime(torch.device("cpu"), precision, compiled, True, "default", backend)
     t = time.perf_counter()
-    out = measure(recipe, data(name, train=max(2048, 2 * batch)), rt, steps=steps, timed_steps=timed_steps)
+    out = measure(recipe, data(name, train=max(2048, 2 * batch)), rt, steps=steps, timed_steps=timed_steps,
+                  world=world)
     return {"recipe": name, "precision": precision, "compiled": compiled, "backend": backend if compiled else None,
             "overrides": overrides, **out, "seconds": time.perf_counter() - t}
+
+
+DDP_ROWS = [("cifar10-94", []), ("imagenet-resnet50", []), ("imagenet-resnet50", ["distributed.bucket_mb=0.5"])]
+"""Data-parallel rows (2 processes, gloo): the recipes' own gradient buckets (one bucket for the
+narrow nets), and ResNet-50 with buckets small enough that DDP splits the compiled graphs."""
+
+
+def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dict:
+    """The structure of one data-parallel step, bf16 compiled, measured in each of ``processes``
+    torchrun workers (gloo); rank 0's counts are returned with every rank's region count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               __file__, "--ddp-worker", name, "--ddp-out", tmp, "--backend", backend,
+               *sum((["--ddp-set", s] for s in sets), [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode:
+            raise SystemExit(f"ddp {name} {sets}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}")
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
+    row = ranks[0]
+    row["processes"] = processes
+    row["compiled_regions_per_step_by_rank"] = [r["compiled_regions_per_step"] for r in ranks]
+    return row
+
+
+def ddp_worker(name: str, out: Path, backend: str, sets: list[str]) -> int:
+    from speedrun.engine import distributed
+    world = distributed.detect()
+    distributed.start(world, torch.device("cpu"), "gloo", 600.0)
+    try:
+        row = one(name, "bf16", True, backend, sets, world=world)
+    finally:
+        distributed.stop()
+    atomic_write_json(out / f"rank{world.rank}.json", row)
+    return 0
 
 
 def main() -> int:
@@ -76,23 +115,33 @@ def main() -> int:
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed per recipe at full width (0: none)")
     p.add_argument("--no-structure", action="store_true", help="only the timing")
     p.add_argument("--timing-precisions", default="fp32,bf16")
+    p.add_argument("--ddp", action="store_true", help="also the data-parallel rows (2 torchrun processes, gloo)")
+    p.add_argument("--ddp-only", action="store_true", help="only the data-parallel rows (added to --out's record)")
+    p.add_argument("--ddp-worker", help=argparse.SUPPRESS)
+    p.add_argument("--ddp-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--ddp-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.ddp_worker:
+        return ddp_worker(args.ddp_worker, args.ddp_out, args.backend, args.ddp_set)
     env = environment()
     cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
     out = args.out or Path(__file__).parent / "results" / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
-    rows, timing = [], []
+    rows, timing, ddp = [], [], []
+    if args.ddp_only and out.exists():           # keep the record's other rows
+        old = json.loads(out.read_text())
+        rows, timing = old.get("rows", []), old.get("timing", [])
     record = {"what": "structure of one training step (TrainStep) per recipe, precision and mode: graph breaks, "
                       "compiled regions per step, eager ATen compute ops per step outside compiled regions, host "
                       "syncs per step (max over the counted steps of a real epoch); then ms per step (wall, after "
                       "the warm-up) eager vs compiled at the recipes' own widths",
-              "environment": env, "backend": args.backend, "rows": rows, "timing": timing}
+              "environment": env, "backend": args.backend, "rows": rows, "timing": timing, "ddp": ddp}
 
     def save():
         atomic_write_json(out, record)
 
-    for name in recipes if not args.no_structure else []:
+    for name in recipes if not (args.no_structure or args.ddp_only) else []:
         for precision in args.precisions.split(","):
             for compiled in (False, True):
                 row = one(name, precision, compiled, args.backend, [])
@@ -106,7 +155,16 @@ def main() -> int:
         print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
               f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
         save()
-    if args.timed_steps:
+    for name, sets in DDP_ROWS if args.ddp or args.ddp_only else []:
+        if name not in recipes:
+            continue
+        row = ddp_row(name, sets, args.backend)
+        ddp.append(row)
+        print(f"{name:18} bf16  compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: breaks "
+              f"{row['graph_breaks']} regions {row['compiled_regions_per_step_by_rank']} eager ops "
+              f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
+        save()
+    if args.timed_steps and not args.ddp_only:
         for name in recipes:
             for precision in args.timing_precisions.split(","):
                 for compiled in (False, True):

@@ -146,16 +146,20 @@ def timed_step(session, x, y) -> float:
     return time.perf_counter() - t
 
 
-def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int = 0, seed: int = 0) -> dict:
+def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int = 0, seed: int = 0,
+            world=None) -> dict:
     """Structure (and, with ``timed_steps``, milliseconds) of the training step of ``recipe``
-    on ``source`` in ``runtime``: every step of the first epoch (or the first ``steps``)."""
+    on ``source`` in ``runtime``: every step of the first epoch (or the first ``steps``).
+    ``world``: this process's place in a data-parallel job whose process group is started
+    (the step is then DistributedDataParallel's, with its gradient buckets); default one process."""
     from ..engine.loop import Session
+    from ..world import World
     import torch._dynamo as dynamo
     dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
     t0 = time.perf_counter()
-    session = Session(recipe, source, runtime, warm_up=True)
+    session = Session(recipe, source, runtime, warm_up=True, world=world or World())
     build_seconds = time.perf_counter() - t0
     breaks, graphs = _dynamo_counts()
     rt = runtime
