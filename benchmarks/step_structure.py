@@ -72,9 +72,10 @@ def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str]
             "overrides": overrides, **out, "seconds": time.perf_counter() - t}
 
 
-DDP_ROWS = [("cifar10-94", []), ("imagenet-resnet50", []), ("imagenet-resnet50", ["distributed.bucket_mb=0.5"])]
+DDP_ROWS = [("cifar10-94", []), ("imagenet-resnet50", []), ("imagenet-resnet50", ["distributed.bucket_mb=1"])]
 """Data-parallel rows (2 processes, gloo): the recipes' own gradient buckets (one bucket for the
-narrow nets), and ResNet-50 with buckets small enough that DDP splits the compiled graphs."""
+narrow nets), and ResNet-50 with 1 MiB buckets, the smallest compiled DDP allows (DDP's first
+bucket), so that dynamo cuts the compiled model into several graphs."""
 
 
 def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dict:
@@ -90,7 +91,7 @@ def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dic
             raise SystemExit(f"ddp {name} {sets}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}")
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
     row = ranks[0]
-    row["processes"] = processes
+    row["processes"], row["ddp_sets"] = processes, sets
     row["compiled_regions_per_step_by_rank"] = [r["compiled_regions_per_step"] for r in ranks]
     return row
 
@@ -129,9 +130,11 @@ def main() -> int:
     out = args.out or Path(__file__).parent / "results" / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
     rows, timing, ddp = [], [], []
-    if args.ddp_only and out.exists():           # keep the record's other rows
+    if (args.ddp_only or args.no_structure) and out.exists():      # a partial run keeps the record's other parts
         old = json.loads(out.read_text())
-        rows, timing = old.get("rows", []), old.get("timing", [])
+        rows = old.get("rows", [])
+        timing = old.get("timing", []) if args.ddp_only else []
+        ddp = old.get("ddp", [])
     record = {"what": "structure of one training step (TrainStep) per recipe, precision and mode: graph breaks, "
                       "compiled regions per step, eager ATen compute ops per step outside compiled regions, host "
                       "syncs per step (max over the counted steps of a real epoch); then ms per step (wall, after "
@@ -159,7 +162,7 @@ def main() -> int:
         if name not in recipes:
             continue
         row = ddp_row(name, sets, args.backend)
-        ddp.append(row)
+        ddp[:] = [r for r in ddp if (r["recipe"], r.get("ddp_sets", [])) != (name, sets)] + [row]
         print(f"{name:18} bf16  compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: breaks "
               f"{row['graph_breaks']} regions {row['compiled_regions_per_step_by_rank']} eager ops "
               f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)

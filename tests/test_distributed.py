@@ -168,6 +168,29 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, fas
     assert not (tmp_path / "odd").exists()
 
 
+def test_compiled_ddp_refuses_buckets_smaller_than_ddps_first_one(tmp_path, fashion_small):
+    """dynamo's DDP graph splitter asserts when the first bucket (1 MiB) is the larger one:
+    the field is named instead, and nothing is written."""
+    from speedrun.engine.distributed import check_compiled_buckets
+    from speedrun.errors import RecipeError
+    from speedrun.world import World
+    two = World(rank=0, size=2)
+    check_compiled_buckets(0.5, World(), compiled=True)             # one process: no DDP
+    check_compiled_buckets(0.5, two, compiled=False)                # eager DDP takes any size
+    check_compiled_buckets(1.0, two, compiled=True)
+    with pytest.raises(RecipeError, match=r"distributed.bucket_mb=0.5 is smaller than .* first gradient bucket"):
+        check_compiled_buckets(0.5, two, compiled=True)
+    proc = subprocess.run(torchrun_cmd("fashion-mnist", "--data-dir", fashion_small, *SMALL, "--set", "train.epochs=1",
+                                       "--set", "runtime.compile=on", "--set", "distributed.bucket_mb=0.5",
+                                       "--out", tmp_path / "small"),
+                          capture_output=True, text=True, timeout=300, env=env(SPEEDRUN_COMPILE_BACKEND="aot_eager"))
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("speedrun: ")]
+    assert ours and all("distributed.bucket_mb=0.5 is smaller than" in x for x in ours), proc.stderr[-3000:]
+    assert "AssertionError" not in proc.stderr
+    assert not (tmp_path / "small").exists()
+
+
 def test_a_streamed_folder_trains_the_same_on_two_processes_as_on_one(tmp_path, jpeg32):
     """JPEG folders through DataLoader workers: the sampler gives each rank its share of every
     batch (re-seeded per epoch), the validation set is split over the ranks and counted once."""

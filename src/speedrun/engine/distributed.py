@@ -175,6 +175,19 @@ def check_same_start(model: nn.Module, world: World, device: torch.device) -> No
                                "(train.seed / --seed); was one started with other arguments?")
 
 
+def check_compiled_buckets(bucket_mb: float, world: World, compiled: bool,
+                           first_bucket_bytes: int = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)) -> None:
+    """Refuse gradient buckets smaller than DDP's first one (1 MiB) in a compiled data-parallel
+    run: dynamo cuts the compiled model at the bucket boundaries and stops with an assertion
+    when the first bucket is the larger (found by benchmarks/step_structure.py). Eager DDP
+    takes any size."""
+    if compiled and world.distributed and bucket_mb * (1 << 20) < first_bucket_bytes:
+        raise RecipeError(f"distributed.bucket_mb={bucket_mb:g} is smaller than DistributedDataParallel's first "
+                          f"gradient bucket ({first_bucket_bytes / (1 << 20):g} MiB), which torch.compile's "
+                          "data-parallel graph splitting does not allow; use at least "
+                          f"{first_bucket_bytes / (1 << 20):g}, or runtime.compile=off")
+
+
 def wrap(model: nn.Module, cfg, world: World, device: torch.device) -> nn.Module:
     """DistributedDataParallel: gradients averaged in buckets of ``cfg.bucket_mb`` while the
     backward pass runs; no broadcast at construction (the start was checked identical) and none

@@ -211,12 +211,14 @@ def local_batch(recipe: Recipe, world: World) -> int:
 
 
 def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
-    """Training image size for ``epoch`` under progressive resizing (full size without it)."""
+    """Training image size for ``epoch`` under progressive resizing (full size without it):
+    a multiple of 8 px, or of 4 px for images under 64 px, where steps of 8 are too coarse
+    (a 32 px image trains at 24 and 28 px, as in the 2026 CIFAR-10 record)."""
     if not recipe.data.progressive:
         return full
     frac = epoch / recipe.train.epochs
     scale = [s for f, s in recipe.data.progressive if f <= frac][-1]
-    return full if scale == 1 else nearest_multiple(full * scale, 8)
+    return full if scale == 1 else nearest_multiple(full * scale, 4 if full < 64 else 8)
 
 
 def settle(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
@@ -290,6 +292,7 @@ class Session:
                     m.group = group
             distributed.check_same_start(model, world, rt.device)
             return model
+        distributed.check_compiled_buckets(self.recipe.distributed.bucket_mb, world, rt.compile)
         wrap = lambda model: distributed.wrap(model, self.recipe.distributed, world, rt.device)
         if not rt.compile:
             model = build()
