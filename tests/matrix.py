@@ -61,6 +61,7 @@ def _fp32(recipe: str, data: str, sets: list[str], **kw) -> list[Entry]:
 MATRIX: list[Entry] = [
     *_both("cifar10-94", "cifar_small", NPZ + SPEEDNET, "inductor"),
     *_both("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET),
+    *_both("cifar10-94-cpu", "cifar_small", NPZ + SPEEDNET),      # cifar10-94-fast at 24, 28, 32 px
     *_both("page-resnet9", "cifar_small", NPZ + SPEEDNET + ["model.stem_width=16", "train.epochs=4",
                                                             "averaging.every=1", "averaging.decay=0.6"]),
     *_both("dawnbench-resnet18", "cifar_small", NPZ + RESNET_CIFAR),

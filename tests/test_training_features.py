@@ -134,6 +134,9 @@ def test_linear_scaling_rule_from_the_reference_batch():
 def test_progressive_resizing_sizes_and_batches(data_dir, tmp_path):
     r = load_recipe("fashion-mnist", ["data.progressive=[[0.0, 0.5], [0.5, 1.0]]", "train.epochs=2"])
     assert [epoch_size(r, e, 28) for e in (0, 1)] == [16, 28]
+    r3 = load_recipe("cifar10-94", ["data.progressive=[[0.0, 0.75], [0.4, 0.875], [0.7, 1.0]]", "train.epochs=10"])
+    assert [epoch_size(r3, e, 32) for e in range(10)] == [24] * 4 + [28] * 3 + [32] * 3   # 4 px steps under 64 px
+    assert [epoch_size(r3, e, 224) for e in (0, 4, 9)] == [168, 192, 224]                # 8 px steps above
     from speedrun.data import load_dataset
     from speedrun.engine.loop import Session
     from speedrun.engine.runtime import Runtime
