@@ -211,6 +211,8 @@ def test_nothing_but_training_is_timed(small, tmp_path):
     assert (tmp_path / "checkpoint.pt").is_file()
     assert result.bookkeeping_seconds >= 2.0
     assert wall - result.train_seconds >= result.bookkeeping_seconds - 0.05     # paused time is not counted
+    # the final TTA evaluation is timed on its own, inside train_seconds
+    assert 0 < result.final_eval_seconds < result.train_seconds
 
 
 def test_resident_data_makes_no_float_copy_of_the_training_set(data_dir):

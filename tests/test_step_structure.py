@@ -64,6 +64,8 @@ def test_an_eager_step_has_no_host_sync_either(cifar_slice, monkeypatch):
     s = _structure("cifar10-94-fast", cifar_slice, "fp32", False, monkeypatch, "model.widths=[16,32,32]")
     assert s["compiled_regions_per_step"] == 0 and s["host_syncs_per_step"] == 0, s["sync_ops_worst_step"]
     assert s["eager_ops_per_step"] > 100            # the count sees an eager step's work
+    # the pipeline's batch is counted apart, without the run's set-up (whitening fit, resets)
+    assert 5 < s["pipeline_eager_ops_per_batch"] <= 40, s["pipeline_eager_ops_per_batch"]
 
 
 def test_the_counter_sees_syncs_eager_ops_and_compiled_regions():

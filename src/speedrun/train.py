@@ -64,6 +64,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "batch_size": recipe.data.batch_size,
         "train_seconds": result.train_seconds,
         "train_seconds_region": TRAIN_SECONDS_REGION,
+        "final_eval_seconds": result.final_eval_seconds,
         "compile_seconds": session.compile_seconds,
         "monitor_seconds": result.monitor_seconds,
         "bookkeeping_seconds": result.bookkeeping_seconds,

@@ -111,8 +111,8 @@ def _dynamo_counts() -> tuple[int, int]:
 
 def real_batches(session, seed: int = 0):
     """Batches of a fresh run of ``session`` (model and step reset from ``seed``, whitening
-    fitted), epoch after epoch, from the run's own pipeline and augmentation; the caller
-    drives ``session.step`` with them."""
+    fitted, both before this returns), epoch after epoch, from the run's own pipeline and
+    augmentation; the caller drives ``session.step`` with them."""
     from ..data.augment import BatchAugment
     from ..data.dataset import open_pipeline
     from ..engine.loop import epoch_size
@@ -128,11 +128,14 @@ def real_batches(session, seed: int = 0):
     augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
                            resized_crop=not data.crops_in_workers)
     session.model.train()
-    epoch = 0
-    while True:
-        size = epoch_size(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
-        yield from data.epoch(epoch, recipe.data.batch_size, augment, gen, size=size)
-        epoch += 1
+
+    def epochs():                 # (the set-up above runs now, not inside the first batch's count)
+        epoch = 0
+        while True:
+            size = epoch_size(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
+            yield from data.epoch(epoch, recipe.data.batch_size, augment, gen, size=size)
+            epoch += 1
+    return epochs()
 
 
 def timed_step(session, x, y) -> float:

@@ -77,6 +77,7 @@ class RunResult:
     train_seconds: float
     monitor_seconds: float
     bookkeeping_seconds: float = 0.0
+    final_eval_seconds: float = 0.0             # the final evaluation with TTA (inside train_seconds)
     recompiles: int = 0
     history: list[EpochRecord] = field(default_factory=list)
     state_dict: dict | None = None
@@ -421,6 +422,7 @@ class Session:
             # --- final evaluation, with the recipe's TTA --------------------------------------
             if self.step.averager is not None:
                 self.step.averager.finalize()
+            eval_start = clock.seconds()
             c_tta, c_plain, n_test = self._evaluate(data, r.eval.tta, r.eval.tta_fraction).tolist()
         except DataError as err:
             if st.step == 0:
@@ -428,12 +430,14 @@ class Session:
             raise DataFailure(err, last_good.state, last_good.step) from None
         acc, acc_plain = c_tta / n_test, c_plain / n_test
         train_seconds = clock.seconds()
+        final_eval_seconds = train_seconds - eval_start
         st.history[-1].test_acc, st.history[-1].seconds = acc_plain, train_seconds
         progress.epoch(st.history[-1])
         if on_epoch is not None:
             on_epoch(st.history[-1])
         return RunResult(seed=seed, test_acc=acc, test_acc_no_tta=acc_plain, epochs=st.step / self.steps_per_epoch,
-                         steps=st.step, train_seconds=train_seconds, monitor_seconds=clock.paused["monitor"],
+                         steps=st.step, train_seconds=train_seconds, final_eval_seconds=final_eval_seconds,
+                         monitor_seconds=clock.paused["monitor"],
                          bookkeeping_seconds=clock.paused["bookkeeping"],
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
