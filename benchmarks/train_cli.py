@@ -27,8 +27,10 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--data-dir")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("extra", nargs="*", help="more arguments for speedrun train (after --)")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
+    args = p.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
