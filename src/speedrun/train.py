@@ -17,7 +17,7 @@ from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, TrainingStopped
 from .files import check_output_folder
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, load_recipe, total_steps
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
@@ -207,6 +207,9 @@ def train_command(args) -> int:
 def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> int:
     env = environment()
     recipe, source = open_source(recipe, args.data_dir)
+    # the run's length is known now: on a CPU, "auto" compiles only where that pays
+    runtime = resolve_runtime(recipe.runtime, runtime.device, recipe.model.name,
+                              total_steps(recipe, len(source.train_y)))
     say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
     for choice in runtime.choices:
         say(choice)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,6 +135,39 @@ def auto_cpu_precision(bf16_units: tuple[str, ...]) -> str:
     return "bf16" if bf16_units else "fp32"
 
 
+CPU_COMPILE_MIN_STEPS = 2000
+"""Steps a compiled ResNet run in bf16 must have before compiling pays on a CPU, with a margin:
+on a 2-core Zen 4 (benchmarks/results/step-structure-amd-epyc-25-17.json) a ResNet-50 step at
+64 px, batch 64, took 549 ms compiled against 704 eager, for 106 s more warm-up with a cold
+compile cache: even after about 690 steps."""
+
+
+def auto_cpu_compile(model: str | None, precision: str, steps: int | None) -> tuple[bool, str]:
+    """(compile?, why) for ``runtime.compile = "auto"`` on a CPU, from measurements on 2-core
+    AMD EPYCs (step_structure.py records): the speed nets run no faster compiled (bf16 on a
+    Zen 4: 2-2.5% slower per step, for 40-45 s of compilation; fp32 on a Zen 3: 4-8% slower),
+    so they stay eager; a ResNet in bf16 runs 22% faster compiled, which pays for its
+    compilation in a run of at least :data:`CPU_COMPILE_MIN_STEPS` steps. fp32 ResNets gain 6%
+    on a Zen 4 and lose 8% on a Zen 3: eager."""
+    if model == "resnet" and precision == "bf16" and steps is not None and steps >= CPU_COMPILE_MIN_STEPS:
+        return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled 22% faster per step on a "
+                      f"Zen 4; pays for its compilation after about 700 steps)")
+    if model is None or steps is None:
+        return False, "compile off: eager on CPUs unless the run is known to pay for compiling"
+    why = ("a speed net runs no faster compiled on a CPU" if model == "speednet" else
+           f"a ResNet in {precision} gains too little on a CPU" if precision != "bf16" else
+           f"{steps} steps do not pay for compiling a ResNet (at least {CPU_COMPILE_MIN_STEPS})")
+    return False, f"compile off: {why}"
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use on a CPU ($CXX, else g++, c++ or clang++ on PATH)."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return next((found for name in ("g++", "c++", "clang++") if (found := shutil.which(name))), None)
+
+
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,12 +179,15 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device(requested)
 
 
-def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
+def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None = None,
+                    steps: int | None = None) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
     CUDA: bf16 autocast on compute capability 8.0 and later, fp16 with loss scaling before it
     (:func:`auto_cuda_precision`), compiled. CPU: bf16 autocast where the CPU has bf16
-    units, else fp32 (:func:`auto_cpu_precision`); eager.
+    units, else fp32 (:func:`auto_cpu_precision`); compiled only where the measurements say
+    it pays for a run of ``steps`` steps of a ``model`` net (:func:`auto_cpu_compile`; without
+    them, eager), and never without a C++ compiler for inductor (eager, saying so).
     channels_last is the recipe's choice (default on: measured 1.6x faster than NCHW for the
     speed net on a 2-core AVX-512 CPU, and what tensor cores want)."""
     cuda = device.type == "cuda"
@@ -168,9 +205,17 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device) -> Runtime:
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
+    if cfg.compile == "auto" and not cuda:
+        compile_, why = auto_cpu_compile(model, precision, steps)
+        if model is not None:
+            choices.append(why)
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
     if backend not in ("inductor", "aot_eager", "eager"):
         raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
+    if compile_ and not cuda and backend == "inductor" and cpp_compiler() is None:
+        compile_ = False
+        choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
+                       "eager (install one, e.g. Debian's g++, to compile)")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices))
 
 
