@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session, first_bad_step
-from speedrun.engine.runtime import Runtime, compiled_graphs, resolve_runtime
+from speedrun import compat
+from speedrun.engine.runtime import Runtime, auto_cpu_precision, compiled_graphs, resolve_runtime
 from speedrun.models.speednet import global_max_pool
 from speedrun.recipe import RecipeError, RuntimeConfig, load_recipe
 
@@ -25,8 +26,8 @@ def small(fashion):
 
 
 def _recipe(*extra):
-    return load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=512",
-                                         "train.epochs=2", "eval.tta=flip", *extra])
+    return load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=512", "train.epochs=2",
+                                         "eval.tta=flip", "eval.tta_fraction=1.0", "eval.every=1", *extra])
 
 
 def _runtime(**kw):
@@ -35,7 +36,8 @@ def _runtime(**kw):
 
 def test_cpu_runtime_defaults_and_refusals():
     rt = resolve_runtime(RuntimeConfig(), CPU)
-    assert (rt.precision, rt.compile, rt.channels_last) == ("fp32", False, True)
+    expected = auto_cpu_precision(compat.cpu_bf16_units())         # bf16 only where the CPU has it natively
+    assert (rt.precision, rt.compile, rt.channels_last) == (expected, False, True)
     assert resolve_runtime(RuntimeConfig(precision="bf16", compile="on"), CPU).compile is True
     with pytest.raises(RecipeError, match="runtime.precision='fp16' is for CUDA"):
         resolve_runtime(RuntimeConfig(precision="fp16"), CPU)
