@@ -185,7 +185,7 @@ def train_command(args) -> int:
         raise RecipeError("runtime.find_batch (--find-batch) probes one process's memory; with several processes "
                           "set data.batch_size (or data.per_device_batch) yourself")
     device = distributed.bind_device(world, pick_device(args.device))
-    runtime = resolve_runtime(recipe.runtime, device)
+    resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before the job starts
     distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
                       recipe.distributed.timeout_s)
     try:
@@ -194,7 +194,7 @@ def train_command(args) -> int:
         record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
             else NullRecord(folder)
         try:
-            code = _train_into(record, recipe, resume, runtime, args, world)
+            code = _train_into(record, recipe, resume, device, args, world)
             distributed.finish(world, recipe.distributed.timeout_s)
             return code
         except BaseException:
@@ -204,12 +204,11 @@ def train_command(args) -> int:
         distributed.stop()
 
 
-def _train_into(record, recipe: Recipe, resume, runtime, args, world: World) -> int:
+def _train_into(record, recipe: Recipe, resume, device: torch.device, args, world: World) -> int:
     env = environment()
     recipe, source = open_source(recipe, args.data_dir)
-    # the run's length is known now: on a CPU, "auto" compiles only where that pays
-    runtime = resolve_runtime(recipe.runtime, runtime.device, recipe.model.name,
-                              total_steps(recipe, len(source.train_y)))
+    # resolved once the run's length is known: on a CPU, "auto" compiles only where that pays
+    runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)))
     say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
     for choice in runtime.choices:
         say(choice)
