@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--data-dir")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cold-cache", action="store_true",
+                   help="each run with an empty decoded-folder cache and an empty compile cache (the "
+                        "decoding and any compiling are in the timed process)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])
@@ -37,15 +41,20 @@ def main() -> int:
             folder = Path(tmp) / f"run{i}"
             cmd = [sys.executable, "-m", "speedrun", "train", args.recipe, "--seed", str(i), "--out", str(folder)]
             cmd += (["--data-dir", args.data_dir] if args.data_dir else []) + args.extra
+            env = dict(os.environ)
+            if args.cold_cache:
+                env["SPEEDRUN_CACHE"] = str(Path(tmp) / f"cache{i}")
+                env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / f"inductor{i}")
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             wall = time.perf_counter() - t0
             if proc.returncode:
                 print(proc.stderr, file=sys.stderr)
                 return proc.returncode
             summary = json.loads((folder / "summary.json").read_text())
             metrics = [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
-            runs.append({"process_wall_seconds": wall, "summary": summary, "metrics": metrics})
+            runs.append({"process_wall_seconds": wall, "summary": summary, "metrics": metrics,
+                         "stdout_head": proc.stdout.splitlines()[:8]})
             print(f"run {i}: test_acc {summary['test_acc']:.4f}, process wall {wall:.1f} s, "
                   f"train_seconds {summary['train_seconds']:.1f}")
     walls = [r["process_wall_seconds"] for r in runs]
@@ -56,6 +65,7 @@ def main() -> int:
                  "loading and checks, training, evaluation, writing the record); train_seconds inside "
                  "each summary is the speed-run region",
         "recipe": args.recipe,
+        "cold_cache": args.cold_cache,
         "command": " ".join(["speedrun", "train", args.recipe, *(["--data-dir", args.data_dir] if args.data_dir else []),
                              *args.extra]),
         "runs": runs,

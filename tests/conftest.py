@@ -22,6 +22,10 @@ def shared_data() -> Path:
 
 
 def pytest_configure(config):
+    # decoded folder caches (data.cache) go to a private folder, never the user's ~/.cache
+    if not os.environ.get("SPEEDRUN_CACHE"):
+        import tempfile
+        os.environ["SPEEDRUN_CACHE"] = tempfile.mkdtemp(prefix="speedrun-test-cache-")
     # under xdist the workers share the 2 cores: one thread each, and the same for the
     # speedrun processes the tests start
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -146,6 +150,22 @@ def imagenet224(artifacts, data_dir) -> Path:
     return build_once(artifacts, "imagenet224", lambda tmp: _cli(
         "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 256,
         "--size", 224))
+
+
+IMAGENETTE_CLASSES = ("n01440764", "n02102040", "n02979186", "n03000684", "n03028079", "n03394916", "n03417042",
+                      "n03425413", "n03445777", "n03888257")
+
+
+@pytest.fixture(scope="session")
+def imagenette_tiny(artifacts, imagenet224) -> Path:
+    """The 224 px photo folder with its ten classes named as Imagenette's (a small copy of
+    imagenette2's layout, which `data.dataset=imagenette` uses in place)."""
+    def build(tmp):
+        shutil.copytree(imagenet224, tmp)
+        for split in ("train", "val"):
+            for old, new in zip(sorted(p.name for p in (tmp / split).iterdir()), IMAGENETTE_CLASSES):
+                (tmp / split / old).rename(tmp / split / new)
+    return build_once(artifacts, "imagenette_tiny", build)
 
 
 @pytest.fixture(scope="session")

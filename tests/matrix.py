@@ -23,6 +23,10 @@ RESNET18_FAST = PHOTO + ["data.batch_size=32", "train.epochs=4", "optim.lr=4.0"]
 TINY = ["model.width=8", "data.batch_size=32", "eval.batch_size=128", "train.epochs=3", "data.workers=1",
         "schedule.warmup_epochs=0.3", "data.image_size=32", "optim.lr=4.0"]
 NPZ = ["data.dataset=npz"]
+# imagenette: the 224 px files decoded once (at 40 px here) into a cache, random-resized crops of
+# 32 px cut from it on the device, evaluated at 40 px
+IMAGENETTE = ["model.width=16", "eval.batch_size=128", "data.workers=1", "data.image_size=32", "data.eval_size=40",
+              "data.batch_size=32", "train.epochs=4", "optim.lr=4.0", "data.cache_dir={tmp}/cache"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ MATRIX: list[Entry] = [
     *_fp32("imagenet-resnet50-lars", "tiny_npz32", NPZ + LARS),
     *_both("imagenet-resnet18-fast", "imagenet224", RESNET18_FAST),
     *_fp32("imagenet-resnet18-fast", "tiny_npz32", NPZ + RESNET18_FAST),
+    *_both("imagenette", "imagenet224", IMAGENETTE),
+    *_fp32("imagenette", "imagenet224", IMAGENETTE + ["data.cache=off"]),      # streamed, evaluated at 40 px
     *_both("tiny-imagenet", "tiny64", TINY, subprocess=True),
     *_fp32("tiny-imagenet", "tiny_npz32", NPZ + TINY),
     # the two remaining corners of fp32/bf16 x eager/compiled
@@ -90,6 +96,14 @@ FIELDS: list[Entry] = [
     # a single folder split by a seeded fraction, decoded by Pillow, unreadable files skipped
     Entry("folder", "jpeg32_train", tuple(FOLDER + ["data.val_fraction=0.2", "data.split_seed=3",
                                                     "data.decoder=pillow", "data.skip_corrupt=true"])),
+    # the built-in imagenette dataset found in place (a small copy in its layout), the 320 px archive
+    # named; the folder recipe's photo choices with the user's model kept
+    Entry("imagenette", "imagenette_tiny", tuple(IMAGENETTE + ["data.dataset=imagenette", "data.imagenette_size=320",
+                                                               "data.cache=on"])),
+    Entry("folder", "imagenet224", ("model={name='resnet', depth=18, stem='imagenet', variant='d', width=16, "
+                                    "zero_gamma=true}", "data.image_size=32", "data.eval_size=40", "train.epochs=4",
+                                    "data.workers=1", "eval.batch_size=128", "data.batch_size=32", "optim.lr=4.0",
+                                    "data.cache_dir={tmp}/cache")),
     # streamed translation with progressive resizing (16 px, then 32 px crops of the 32 px images)
     Entry("folder", "jpeg32", tuple(FOLDER[:3] + FOLDER[4:] + ["train.epochs=4", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]",
                                                               "augment.cutout=8"])),

@@ -177,6 +177,31 @@ def test_download_cifar10_archive_extracts_and_verifies(data_dir, tmp_path, isol
     assert load_dataset("cifar10", dest).test_x.shape == (10_000, 3, 32, 32)
 
 
+def test_a_corrupt_member_is_named_by_its_name_in_the_archive(data_dir, tmp_path, isolated_env, monkeypatch,
+                                                               serve):
+    site = tmp_path / "site"
+    site.mkdir()
+    served = site / "cifar-10-python.tar.gz"
+    with tarfile.open(served, "w:gz", compresslevel=1) as tar:
+        for f in sorted((data_dir / "cifar-10-batches-py").iterdir()):
+            data = bytearray(f.read_bytes())
+            if f.name == "data_batch_2":
+                data[1_000_000] ^= 0xFF                 # one byte altered: same size, wrong checksum
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{f.name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(bytes(data)))
+    monkeypatch.setenv("SPEEDRUN_MIRROR", serve(site))
+    dest = tmp_path / "data"
+    with pytest.raises(DataError) as err:
+        load_dataset("cifar10", dest)
+    msg = str(err.value)
+    archive = dest / "cifar-10-python.tar.gz"
+    assert msg.startswith(f"{archive}: member cifar-10-batches-py/data_batch_2: checksum mismatch"), msg
+    assert f"Delete {archive} and let speedrun download it again" in msg
+    assert ".cifar-10-batches-py-" not in msg                   # no temporary extraction path
+    assert [p.name for p in dest.iterdir()] == ["cifar-10-python.tar.gz"]     # no staging, no partial folder
+
+
 def test_corrupt_download_leaves_nothing(data_dir, tmp_path, isolated_env, monkeypatch, serve):
     site = tmp_path / "site"
     site.mkdir()

@@ -667,3 +667,43 @@ def test_a_failed_run_leaves_no_run_folder(tmp_path, cli, jpeg32):
     check_refused(cli("train", *small_args(images, "folder", batch=32), "--out", tmp_path / "a" / "b"), 1, bomb)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "a").exists()
     assert_unchanged(tmp_path, before)
+
+
+# ------------------------------------------------------------------------------------------
+# A model too large for the device: refused naming the model field, before it is allocated
+# ------------------------------------------------------------------------------------------
+
+def test_a_model_too_large_for_memory_is_refused_naming_its_fields():
+    from speedrun.engine.batch_finder import BYTES_PER_PARAMETER, check_model_fits, count_parameters
+    from speedrun.errors import RecipeError
+    from speedrun.models import build_model
+    from speedrun.recipe import load_recipe
+
+    small = load_recipe("cifar10-94", ["model.widths=[8,16,16]"]).model
+    assert count_parameters(small, 3, 10) == sum(p.numel() for p in build_model(small, 3, 10).parameters())
+    gib = 1 << 30
+    check_model_fits(small, gib // BYTES_PER_PARAMETER, gib, "cpu")         # exactly fits: accepted
+    with pytest.raises(RecipeError) as err:
+        check_model_fits(small, gib // BYTES_PER_PARAMETER + 1, gib, "cpu")
+    msg = str(err.value)
+    assert msg.startswith("model.widths=[8, 16, 16] makes a model of 67,108,865 parameters") and "lower model.widths" in msg
+    assert "but cpu has 1.0 GiB" in msg and "batch" not in msg
+
+    resnet = load_recipe("imagenet-resnet50", ["model.variant=a"]).model
+    assert count_parameters(resnet, 3, 1000) == 25_557_032                  # torchvision's ResNet-50, without memory
+    with pytest.raises(RecipeError, match=r"model.width=64 with model.depth=50 makes a model of 25,557,032 parameters"
+                                          r".* but cuda:0 has 0.1 GiB; lower model.width or model.depth"):
+        check_model_fits(resnet, 25_557_032, gib // 10, "cuda:0")
+    huge = load_recipe("cifar10-94", ["model.widths=[100000,100000,100000]"]).model
+    assert count_parameters(huge, 3, 10) > 4 * 10 ** 11                     # 7 TB were it allocated
+
+
+def test_a_model_too_large_for_memory_stops_the_real_command(tmp_path, data_dir):
+    before = snapshot(tmp_path)
+    out = tmp_path / "run"
+    proc = speedrun("train", "cifar10-94", "--set", "model.widths=[100000,100000,100000]", "--data-dir", data_dir,
+                    "--out", out, check=False)
+    err = check_refused(proc, 2, "model.widths=[100000, 100000, 100000]", "parameters", "lower model.widths")
+    assert "batch_size" not in err
+    assert not out.exists()
+    assert_unchanged(tmp_path, before)

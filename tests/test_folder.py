@@ -1,6 +1,9 @@
 """Image folders, .npz arrays, prepare/export, and the streamed pipeline, on real CIFAR-10
 images exported as files."""
 import json
+import os
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -11,10 +14,11 @@ from speedrun.data import DataError
 from speedrun.errors import RunFolderError
 from speedrun.data.arrays import load_npz, open_npz
 from speedrun.data.folder import decode, folder_splits, scan, split
-from speedrun.data.prepare import export, prepare
+from speedrun.data.prepare import export, prepare, worker_pool
 from speedrun.data.stream import Decoding, EpochSampler, ImageItems
 
 from test_cli import speedrun
+from test_failures import assert_unchanged, check_refused, small_folder, snapshot
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +125,36 @@ def test_prepare_writes_a_memory_mapped_npz_equal_to_decoding(jpeg_dir, tmp_path
     assert ds.train_y[11] == train.labels[11] and ds.classes == train.classes
     with pytest.raises(RunFolderError, match="already exists"):
         prepare(jpeg_dir, 32, out)
+
+
+def test_the_decoding_and_writing_workers_are_not_forked_from_this_process():
+    # forking a process that has threads (torch's, the progress bar's) can copy a held lock into a
+    # child that then waits forever: prepare's and export's pool workers come from a fork server
+    torch.ones(512, 512) @ torch.ones(512, 512)     # this process has torch's threads running
+    with worker_pool(1) as pool:
+        assert pool._ctx.get_start_method() == "forkserver"
+        server = pool.apply(os.getppid)
+        assert server != os.getpid()
+        assert len(os.listdir(f"/proc/{server}/task")) == 1      # the fork server has one thread
+
+
+def test_prepare_with_a_corrupt_image_in_a_real_process_names_it_or_skips_it(jpeg_dir, tmp_path):
+    images = small_folder(jpeg_dir, tmp_path / "images", n_train=20, n_val=5)
+    bad = images / "train" / "dog" / "broken.jpg"
+    bad.write_bytes(sorted((images / "train" / "dog").iterdir())[0].read_bytes()[:300])   # truncated
+    out = tmp_path / "new" / "x.npz"                # its folder too is left behind on failure
+    before = snapshot(tmp_path)
+
+    def prepare_command(*extra):                    # the pool's workers in a fresh process, as users run it
+        return subprocess.run([sys.executable, "-m", "speedrun", "data", "prepare", str(images), "--size", "32",
+                               "--out", str(out), "--workers", "2", *extra],
+                              capture_output=True, text=True, timeout=120)
+    check_refused(prepare_command(), 1, bad, "cannot decode this image", "--skip-corrupt")
+    assert_unchanged(tmp_path, before)
+    proc = prepare_command("--skip-corrupt")
+    assert proc.returncode == 0, proc.stderr
+    ds = load_npz(out)
+    assert len(ds.train_y) == 40 and len(ds.test_y) == 10
 
 
 def test_npz_with_hwc_arrays_and_bad_inputs(tmp_path):

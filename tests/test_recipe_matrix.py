@@ -52,7 +52,7 @@ def teacher(tmp_path_factory, cifar_small):
 
 
 def _train(entry: Entry, data, out, monkeypatch, request) -> None:
-    sets = list(entry.sets) + [f"runtime.precision={entry.precision}",
+    sets = [s.replace("{tmp}", str(out.parent)) for s in entry.sets] + [f"runtime.precision={entry.precision}",
                                f"runtime.compile={'off' if entry.backend is None else 'on'}"]
     if "teacher" in entry.args:
         sets.append(f"distill.teacher={request.getfixturevalue('teacher')}")

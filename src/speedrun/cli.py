@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_range(0, 2**63 - 1), default=0, help="seed of that split")
     p.add_argument("--workers", type=_int_range(-1, 256), default=-1, help="decoding processes (default: one per core, at most 8)")
     p.add_argument("--skip-corrupt", action="store_true", help="skip unreadable images instead of stopping")
+    p.add_argument("--decoder", choices=["auto", "pillow", "simplejpeg", "torchvision"], default="auto",
+                   help="as data.decoder; torchvision decodes JPEGs in batches on the GPU (nvjpeg) when there "
+                        "is one, else on the CPU, instead of in --workers processes")
     p = dsub.add_parser("export", help="write a built-in dataset as train/<class>/ and val/<class>/ images")
     p.add_argument("dataset", choices=["cifar10", "cifar100", "fashion-mnist"])
     p.add_argument("--format", choices=["png", "jpeg"], default="png")
@@ -315,7 +318,7 @@ def data_command(args) -> int:
     from .report.console import print_table
     if args.data_command == "prepare":
         out = prepare(args.src, args.size, args.out, args.val_fraction or 0.0, args.seed, args.workers,
-                      args.skip_corrupt)
+                      args.skip_corrupt, args.decoder)
         print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
     else:
         out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit,

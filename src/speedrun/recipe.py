@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
 
@@ -32,19 +32,36 @@ class Section(BaseModel):
 # ------------------------------------------------------------------------------------------
 
 class DataConfig(Section):
-    dataset: Literal["cifar10", "cifar100", "fashion-mnist", "folder", "npz"]
+    dataset: Literal["cifar10", "cifar100", "fashion-mnist", "folder", "npz", "imagenette"]
     batch_size: int = Field(0, ge=0, description="training examples per optimizer step (over all devices)")
     per_device_batch: int = Field(0, ge=0, description="instead of batch_size: this many per device, times "
                                   "the number of devices")
     path: str | None = Field(None, description="the image folder or .npz file (folder and npz datasets; "
                              "--data-dir gives it too)")
+    imagenette_size: Literal[160, 320] = Field(
+        160, description="imagenette: which official archive, imagenette2-160.tgz or imagenette2-320.tgz "
+        "(shorter side of the images in pixels)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="folder without val/: fraction held out")
     split_seed: int = Field(0, ge=0, description="seed of the train/val split of a single folder")
-    image_size: int = Field(0, ge=0, description="streamed: training crop size in pixels; 0 = from the data")
+    image_size: int = Field(0, ge=0, description="folder: training crop size in pixels (decoded folders: the "
+                            "random-resized crops' size); 0 = from the data")
+    eval_size: int = Field(0, ge=0, description="folder: evaluation size in pixels (decoded once: at least "
+                           "data.image_size); 0 = data.image_size")
+    auto_choices: bool = Field(False, description="folder: choose the model, sizes and batch from the data "
+                               "(photos or small images), said at start; the fields you --set are kept")
+    cache: Literal["auto", "on", "off"] = Field(
+        "auto", description="folder: decode once to a memory-mapped uint8 cache at data.eval_size and train "
+        "from memory (random-resized crops cut on the device; evaluation on whole centre squares); auto = on "
+        "for random-resized-crop recipes with data.eval_crop = 1 when the cache fits in half the memory")
+    cache_dir: str | None = Field(None, description="folder of decoded caches; default $SPEEDRUN_CACHE, else "
+                                  "~/.cache/speedrun")
     eval_crop: float = Field(0.0, ge=0, le=1, description="streamed eval: centre crop fraction; 0 = 0.875, "
                              "or 1 for images of 64 px or less")
     workers: int = Field(-1, ge=-1, description="DataLoader worker processes; -1 = one per CPU core, at most 8")
-    decoder: Literal["auto", "pillow", "simplejpeg"] = "auto"
+    decoder: Literal["auto", "pillow", "simplejpeg", "torchvision"] = Field(
+        "auto", description="image decoder: auto (simplejpeg for JPEGs when installed, else Pillow), pillow, "
+        "simplejpeg, or torchvision (data prepare: JPEGs decoded in batches on the device, nvjpeg on a GPU; "
+        "streamed training reads it as pillow)")
     skip_corrupt: bool = Field(False, description="skip unreadable images (and report how many) instead of stopping")
     progressive: list[tuple[float, float]] | None = Field(
         None, description="progressive resizing: [[fraction of training, scale of image_size], ...]")
@@ -306,6 +323,7 @@ class RuntimeConfig(Section):
 
 
 class Recipe(Section):
+    _overrides: list[str] = PrivateAttr(default_factory=list)   # the --set values it was loaded with
     name: str = Field(description="names the run folder (runs/NAME-TIME): letters, digits, '.', '_', '+', '-'")
     description: str = ""
     target: float = Field(0.9, gt=0, le=1, description="test accuracy the recipe aims for")
@@ -413,7 +431,9 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); a recipe is a TOML text file") from None
     except OSError as err:
         raise RecipeError(f"{path}: cannot read the recipe ({err.strerror})") from None
-    return recipe_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+    recipe = recipe_from_dict(apply_overrides(raw, list(overrides or [])), source=str(path))
+    recipe._overrides = list(overrides or [])
+    return recipe
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:

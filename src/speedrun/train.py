@@ -71,8 +71,11 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "recompiles": result.recompiles,
         "wall_seconds": wall,
         "seed": result.seed,
-        "skipped_images": result.skipped_images,
+        "skipped_images": result.skipped_images + ((session.source.cache or {}).get("skipped_images") or 0
+                                                   if getattr(session.source, "cache", None) else 0),
         "resumed_from_step": result.resumed_from_step,
+        "data_choices": list(getattr(session.source, "choices", None) or []),
+        "data_cache": getattr(session.source, "cache", None),
         **flop_figures(result, session),
         **parallel,
         **session.runtime.describe(),
@@ -87,7 +90,7 @@ def preprocessing_of(recipe: Recipe, session: Session, result: RunResult) -> dic
     ``image_size``); then (pixel - mean) / std per channel, in 0..255 units."""
     ds, d = session.dataset, recipe.data
     folder = d.dataset == "folder"
-    return {"dataset": d.dataset, "channels": ds.in_channels, "image_size": list(ds.image_size),
+    return {"dataset": d.dataset, "channels": ds.in_channels, "image_size": list(ds.eval_size),
             "resize": "shorter_side_then_centre_crop" if folder else "to_image_size",
             "eval_crop": d.eval_crop if folder else 1.0, "decoder": d.decoder,
             "mean": result.normalisation[0], "std": result.normalisation[1], "pixel_range": [0, 255],
@@ -206,10 +209,12 @@ def train_command(args) -> int:
 
 def _train_into(record, recipe: Recipe, resume, device: torch.device, args, world: World) -> int:
     env = environment()
-    recipe, source = open_source(recipe, args.data_dir)
+    say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
+    recipe, source = open_source(recipe, args.data_dir, say)
+    if getattr(source, "choices", None):
+        say("from the data: " + "; ".join(source.choices))
     # resolved once the run's length is known: on a CPU, "auto" compiles only where that pays
     runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)))
-    say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
     for choice in runtime.choices:
         say(choice)
     try:

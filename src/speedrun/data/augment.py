@@ -65,8 +65,11 @@ class BatchAugment:
 
     def __init__(self, cfg, n: int, image_size: tuple[int, int], generator: torch.Generator,
                  device: torch.device, mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
-                 resized_crop: bool = True):
+                 resized_crop: bool = True, input_size: tuple[int, int] | None = None):
+        """``input_size``: the size of the images random-resized crops are cut from, where it is
+        not ``image_size`` (a decoded folder is stored larger than it is trained)."""
         self.cfg, self.n, self.size = cfg, n, image_size
+        self.input_size = tuple(input_size) if input_size else image_size
         self.translate = cfg.translate if cfg.crop == "translate" else 0
         # the streamed pipeline cuts random-resized crops in its workers, not here
         self.resized_crop = cfg.crop == "random_resized" and resized_crop
@@ -87,7 +90,7 @@ class BatchAugment:
         if self.translate:
             r["top"], r["left"] = self._ints(2 * self.translate + 1), self._ints(2 * self.translate + 1)
         if self.resized_crop:
-            r["boxes"] = sample_rrc_boxes(self.n, *self.size, cfg.rrc_scale, cfg.rrc_ratio, self.gen, self.device)
+            r["boxes"] = sample_rrc_boxes(self.n, *self.input_size, cfg.rrc_scale, cfg.rrc_ratio, self.gen, self.device)
         if cfg.flip == "random":
             r["flip"] = self._bits()
         elif cfg.flip == "alternating":
@@ -102,12 +105,15 @@ class BatchAugment:
             r["lighting"] = sample_lighting(self.n, cfg.lighting, self.gen, self.device)
         return r
 
-    def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor],
+                 size: int | None = None) -> torch.Tensor:
+        """Augment a batch; ``size``: the side of the random-resized crops when it is not the
+        training size (progressive resizing cuts them straight at the epoch's size)."""
         if "top" in r:
             t = self.translate
             x = crop(x, r["top"][idx], r["left"][idx], (x.shape[2] - 2 * t, x.shape[3] - 2 * t))
         if "boxes" in r:
-            x = random_resized_crop(x, r["boxes"][idx], self.size)
+            x = random_resized_crop(x, r["boxes"][idx], (size, size) if size else self.size)
         if "flip" in r:
             x = flip(x, r["flip"][idx])
         if "jitter" in r:

@@ -17,7 +17,7 @@ import pickle
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +60,11 @@ class ArrayDataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     source: str
+    choices: list = field(default_factory=list)        # what was chosen from the data, and why
+    cache: dict | None = None                          # a decoded folder's cache, described
+    train_size: int = 0
+    """Side of the training crops when it is not the stored side: a decoded folder is stored at
+    its evaluation size and trained on smaller random-resized crops (0: the stored size)."""
 
     @property
     def num_classes(self) -> int:
@@ -71,7 +76,18 @@ class ArrayDataset:
 
     @property
     def image_size(self) -> tuple[int, int]:
+        """The training size (before progressive resizing)."""
+        return (self.train_size, self.train_size) if self.train_size else tuple(self.train_x.shape[2:])
+
+    @property
+    def stored_size(self) -> tuple[int, int]:
+        """The size the training images are stored at."""
         return tuple(self.train_x.shape[2:])
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """The size the test images are evaluated at (stored so)."""
+        return tuple(self.test_x.shape[2:])
 
 
 CIFAR10 = DatasetSpec(
@@ -196,7 +212,7 @@ def _fetch(spec: DatasetSpec, root: Path) -> Path:
     try:
         for f in spec.files:
             download(_mirror(spec) + f.name, staging / f.name)
-        verify_files(spec, staging)   # nothing lands under the real name unless it is right
+        verify_files(spec, staging, downloaded_from=_mirror(spec))   # nothing lands under the real name unless it is right
         move_into(staging, root / spec.folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -212,7 +228,7 @@ def _unpack(spec: DatasetSpec, archive: Path, root: Path) -> Path:
         if not extracted.is_dir():
             raise DataError(f"{archive}: has no folder {spec.folder}/ inside; "
                             f"it is not the official {spec.archive}")
-        verify_files(spec, extracted)
+        verify_files(spec, extracted, archive=archive)     # errors name the member, not the staging path
         move_into(extracted, root / spec.folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -235,46 +251,69 @@ def move_into(src: Path, dest: Path) -> None:
 # Verifying
 # ------------------------------------------------------------------------------------------
 
-def _read_checked(folder: Path, f: FileSpec) -> bytes | None:
-    """Check one file; returns decompressed content for .gz files (already read), else None."""
+def _read_checked(folder: Path, f: FileSpec, name: str | None = None, fix: str | None = None,
+                  partial: str | None = None) -> bytes | None:
+    """Check one file; returns decompressed content for .gz files (already read), else None.
+    ``name``, ``fix``, ``partial``: how errors name the file, what they tell the user to do and
+    what a missing file means, where the file is not the user's own (a member of an archive,
+    a download), so that no message names a temporary staging path."""
     path = folder / f.name
-    fix = f"Delete {path} and let speedrun download it again, or copy a fresh official copy there."
+    name = name or str(path)
+    fix = fix or f"Delete {path} and let speedrun download it again, or copy a fresh official copy there."
+    partial = partial or f"{folder} holds some but not all of the dataset"
     if not path.is_file():
-        raise DataError(f"{path}: missing ({folder} holds some but not all of the dataset). {fix}")
+        raise DataError(f"{name}: missing ({partial}). {fix}")
     if f.size is not None and path.stat().st_size != f.size:
         size = path.stat().st_size
         kind = "truncated" if size < f.size else "too large"
-        raise DataError(f"{path}: {kind}: {size} bytes, expected {f.size}. {fix}")
+        raise DataError(f"{name}: {kind}: {size} bytes, expected {f.size}. {fix}")
     if f.name.endswith(".gz"):
-        content = gunzip_bounded(path, f.content_size, fix)
+        content = gunzip_bounded(path, f.content_size, fix, name=name)
         got = hashlib.md5(content).hexdigest()
     else:
         content, got = None, md5sum(path)
     if got != f.md5:
-        raise DataError(f"{path}: checksum mismatch (md5 {got}, expected {f.md5}); "
+        raise DataError(f"{name}: checksum mismatch (md5 {got}, expected {f.md5}); "
                         f"the file is corrupt or not the official one. {fix}")
     return content
 
 
-def gunzip_bounded(path: Path, expected: int | None, fix: str) -> bytes:
+def gunzip_bounded(path: Path, expected: int | None, fix: str, name: str | None = None) -> bytes:
     """The decompressed content of ``path``, read in blocks and abandoned as soon as it
-    exceeds ``expected`` bytes, so a file that expands without bound never fills memory."""
+    exceeds ``expected`` bytes, so a file that expands without bound never fills memory.
+    ``name``: how errors name the file (default: its path)."""
     limit = expected if expected is not None else 1 << 31
+    shown = name or str(path)
     blocks, total = [], 0
     try:
         with gzip.open(path, "rb") as g:
             while block := g.read(1 << 20):
                 total += len(block)
                 if total > limit:
-                    raise DataError(f"{path}: decompresses to more than the {limit:,} bytes of the official file; "
+                    raise DataError(f"{shown}: decompresses to more than the {limit:,} bytes of the official file; "
                                     f"it is not the dataset's file. {fix}")
                 blocks.append(block)
     except (OSError, EOFError, zlib.error) as err:
-        raise DataError(f"{path}: not a complete gzip file ({err}); truncated or corrupt. {fix}") from None
+        raise DataError(f"{shown}: not a complete gzip file ({err}); truncated or corrupt. {fix}") from None
     return b"".join(blocks)
 
 
-def verify_files(spec: DatasetSpec, folder: Path) -> dict[str, bytes | None]:
+def verify_files(spec: DatasetSpec, folder: Path, archive: Path | None = None,
+                 downloaded_from: str | None = None) -> dict[str, bytes | None]:
+    """Check every file of ``spec`` in ``folder``. ``archive``: the folder was just extracted
+    from it (into a staging folder), so errors name the archive and the member as it appears
+    in the archive; ``downloaded_from``: the files were just downloaded from this base URL
+    (into a staging folder), so errors name the URL."""
+    if archive is not None:
+        return {f.name: _read_checked(
+            folder, f, name=f"{archive}: member {spec.folder}/{f.name}",
+            fix=f"Delete {archive} and let speedrun download it again (or put a fresh official copy there).",
+            partial="the archive holds some but not all of the dataset") for f in spec.files}
+    if downloaded_from is not None:
+        return {f.name: _read_checked(
+            folder, f, name=f"{downloaded_from}{f.name}",
+            fix="Nothing was kept; try again later, or check $SPEEDRUN_MIRROR if it is set.",
+            partial="the server holds some but not all of the dataset") for f in spec.files}
     return {f.name: _read_checked(folder, f) for f in spec.files}
 
 

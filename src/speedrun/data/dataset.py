@@ -13,7 +13,7 @@ here from a sample of the images, and written back into the recipe so the run's
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ from .arrays import load_npz
 from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
 from .builtin import SPECS, ArrayDataset, load_dataset
+from .cache import open_cached, use_cache
+from .choices import choose
 from .resident import ResidentData
 from .shard import Shard
 from .stream import StreamedData, sample_stats
@@ -38,6 +40,13 @@ class FolderSource:
     mean: torch.Tensor
     std: torch.Tensor
     source: str
+    eval_side: int = 0
+    choices: list[str] = field(default_factory=list)
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        side = self.eval_side or self.size
+        return (side, side)
 
     @property
     def classes(self) -> list[str]:
@@ -69,18 +78,34 @@ def nearest_multiple(x: float, k: int = 8) -> int:
     return max(k, int(round(x / k)) * k)
 
 
-def resolve_from_data(recipe: Recipe, median_side: int | None) -> Recipe:
-    """Fill the recipe's data-dependent 'auto' values."""
+def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
+                      user: list[str] | None = None) -> tuple[Recipe, list[str]]:
+    """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
+    recipe) the choices of :mod:`speedrun.data.choices`, under the user's ``--set`` values
+    (``user``), which are applied again last; else only the 'auto' sizes. Returns the recipe
+    (as it will run: auto_choices off, every value filled in) and the reasons to say."""
+    d, median = recipe.data, info["median_shorter_side"]
+    if d.dataset != "folder":
+        return recipe, []
+    if d.auto_choices:
+        c = choose(median, n_train, n_classes, d.batch_size)
+        raw = recipe.to_dict()
+        raw.update(c.sections)
+        raw = apply_overrides(raw, c.overrides + list(user or []) + ["data.auto_choices=false"])
+        recipe = recipe_from_dict(raw, source=recipe.name)
+        kept = [o.split("=", 1)[0].strip() for o in (user or [])]
+        reasons = c.reasons + ([f"kept as set: {', '.join(kept)}"] if kept else [])
+        return recipe, reasons
     overrides = []
-    size = recipe.data.image_size
-    if recipe.data.dataset == "folder" and not size:
-        size = min(224, nearest_multiple(median_side))
+    size = d.image_size
+    if not size:
+        size = min(224, nearest_multiple(median))
         overrides.append(f"data.image_size={size}")
-    if recipe.data.dataset == "folder" and not recipe.data.eval_crop:
+    if not d.eval_crop:
         overrides.append(f"data.eval_crop={1.0 if size <= 64 else 0.875}")
     if not overrides:
-        return recipe
-    return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=recipe.name)
+        return recipe, []
+    return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=recipe.name), []
 
 
 def device_count() -> int:
@@ -99,8 +124,13 @@ def resolve_batch(recipe: Recipe) -> Recipe:
                                                                "data.per_device_batch=0"]), source=recipe.name)
 
 
-def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | FolderSource]:
-    """(the recipe with data-derived values filled in, the dataset)."""
+def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayDataset | FolderSource]:
+    """(the recipe with data-derived values filled in, the dataset). The dataset's
+    ``choices`` say what was chosen from the data and why; ``say`` reports a cache being made."""
+    if recipe.data.dataset == "imagenette":             # found or fetched, then an image folder
+        from .imagenette import resolve_imagenette
+        recipe = resolve_imagenette(recipe, data_dir)
+    user = list(recipe._overrides)
     recipe = resolve_batch(recipe)
     d = recipe.data
     if d.dataset in ("folder", "npz") and not d.path:
@@ -113,9 +143,20 @@ def open_source(recipe: Recipe, data_dir=None) -> tuple[Recipe, ArrayDataset | F
     if d.dataset == "folder":
         train, val = folder_splits(d.path, d.val_fraction, d.split_seed)
         info = probe(train)
-        recipe = resolve_from_data(recipe, info["median_shorter_side"])
-        mean, std = sample_stats(train, info["channels"], recipe.data.image_size, d.decoder)
-        return recipe, FolderSource(train, val, info["channels"], recipe.data.image_size, mean, std, str(d.path))
+        recipe, reasons = resolve_from_data(recipe, info, len(train), len(train.classes), user)
+        d, channels = recipe.data, info["channels"]
+        evaluate = d.eval_size or d.image_size
+        cached, why = use_cache(d.cache, recipe.augment.crop, d.eval_crop, len(train) + len(val), channels,
+                                max(evaluate, d.image_size))
+        if cached:                                  # stored at least as large as the training crops
+            evaluate = max(evaluate, d.image_size)
+            ds, ds.cache = open_cached(train, val, channels, evaluate, d, d.image_size, say or (lambda m: None))
+            ds.choices = reasons + [why]
+            return recipe, ds
+        mean, std = sample_stats(train, channels, d.image_size, d.decoder)
+        src = FolderSource(train, val, channels, d.image_size, mean, std, str(d.path), evaluate)
+        src.choices = reasons + [why] if reasons else []
+        return recipe, src
     if d.dataset == "npz":
         return recipe, load_npz(d.path)
     if d.dataset in SPECS:

@@ -10,13 +10,16 @@ the folder pipeline on known data.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.pool
 import os
 import shutil
 import tempfile
 import zipfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from rich.progress import Progress
 
@@ -26,7 +29,19 @@ from .folder import ImageList, folder_splits, probe
 from .builtin import load_dataset
 from .stream import Decoding, ImageItems, Unreadable, default_workers
 
+DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
+DEVICE_BATCH = 256
+"""Files per batched call of the torchvision decoder."""
+
 _items: ImageItems | None = None
+
+
+def worker_pool(workers: int, initializer=None, initargs=()) -> multiprocessing.pool.Pool:
+    """A pool of ``workers`` processes that are never forked from this one: a fork server (a
+    fresh, single-threaded interpreter started by fork and exec) forks each of them. Forking
+    this process could copy a lock held by one of its threads (torch's, the progress bar's)
+    into a child that would then wait on it forever. What the workers receive is pickled."""
+    return mp.get_context("forkserver").Pool(workers, initializer=initializer, initargs=initargs)
 
 
 def _init_worker(items: ImageItems) -> None:
@@ -43,22 +58,27 @@ def _decode_one(args):
 
 
 def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,
-                  scratch: Path, label: str) -> tuple[np.ndarray, np.ndarray]:
+                  scratch: Path, label: str, decoder: str = "auto",
+                  device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decode a split into a scratch memmap; returns (images, kept labels)."""
-    items = ImageItems(images, Decoding(channels, False, skip_corrupt=skip_corrupt))
     arr = np.lib.format.open_memmap(scratch / f"{label}.npy", mode="w+", dtype=np.uint8,
                                     shape=(len(images), channels, size, size))
     kept = np.ones(len(images), dtype=bool)
+    if decoder == "torchvision":
+        _decode_on_device(images, channels, size, skip_corrupt, label, device or torch.device("cpu"), arr, kept)
+        arr.flush()
+        return arr, kept
+    items = ImageItems(images, Decoding(channels, False, decoder=decoder, skip_corrupt=skip_corrupt))
     jobs = [(i, size) for i in range(len(images))]
-    with Progress(transient=True) as bar:
+    with ExitStack() as stack:
+        # the workers start before the progress bar's thread does (and from a fork server)
+        pool = stack.enter_context(worker_pool(workers, _init_worker, (items,))) if workers > 0 else None
+        bar = stack.enter_context(Progress(transient=True))
         task = bar.add_task(f"decoding {label}", total=len(jobs))
-        if workers > 0:
-            ctx = mp.get_context("fork")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(items,)) as pool:
-                results = pool.imap_unordered(_decode_one, jobs, chunksize=64)
-                for i, x in results:
-                    _store(arr, kept, i, x)
-                    bar.advance(task)
+        if pool is not None:
+            for i, x in pool.imap_unordered(_decode_one, jobs, chunksize=64):
+                _store(arr, kept, i, x)
+                bar.advance(task)
         else:
             _init_worker(items)
             for job in jobs:
@@ -66,6 +86,21 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
                 bar.advance(task)
     arr.flush()
     return arr, kept
+
+
+def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt: bool, label: str,
+                      device: torch.device, arr: np.ndarray, kept: np.ndarray) -> None:
+    """The torchvision decoder: batches of files decoded and resized on ``device``."""
+    from .device_decode import decode_to_square
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"decoding {label} on {device.type}", total=len(images))
+        for start in range(0, len(images), DEVICE_BATCH):
+            stop = min(start + DEVICE_BATCH, len(images))
+            x, ok = decode_to_square([images.path(i) for i in range(start, stop)], size, channels, device,
+                                     skip_corrupt)
+            arr[start:stop] = x.cpu().numpy()
+            kept[start:stop] = ok.numpy()
+            bar.advance(task, stop - start)
 
 
 def _store(arr, kept, i, x) -> None:
@@ -87,11 +122,21 @@ def _write_member(zf: zipfile.ZipFile, name: str, arr: np.ndarray, rows: np.ndar
 
 
 def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0.0, seed: int = 0,
-            workers: int = -1, skip_corrupt: bool = False) -> dict:
+            workers: int = -1, skip_corrupt: bool = False, decoder: str = "auto",
+            device: str | torch.device | None = None) -> dict:
+    """Decode the image folder ``src`` into ``out`` (.npz) at size x size. ``decoder``: as
+    data.decoder; "torchvision" decodes in batches on ``device`` (default: CUDA when available,
+    nvjpeg for JPEGs; else the CPU) instead of in ``workers`` processes."""
     out = Path(out)
     check_output_file(out)
     if size < 8:
         raise DataError(f"--size {size}: too small; give the side of the square images in pixels (>= 8)")
+    if decoder not in DECODERS:
+        raise DataError(f"--decoder {decoder!r}: use one of {', '.join(DECODERS)}")
+    if decoder == "torchvision":
+        from .device_decode import torchvision_io
+        torchvision_io()                            # refused before anything is written
+        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     train, val = folder_splits(src, val_fraction, seed)
     channels = probe(train)["channels"]
     workers = default_workers(workers)
@@ -103,8 +148,9 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
     except OSError as err:
         raise disk_error(out, err) from None
     try:
-        x_train, keep_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch, "train")
-        x_val, keep_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val")
+        x_train, keep_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch, "train",
+                                            decoder, device)
+        x_val, keep_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val", decoder, device)
         tmp = scratch / "out.npz"
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_member(zf, "x_train", x_train, keep_train)
@@ -217,12 +263,12 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
             folder.mkdir(parents=True, exist_ok=True)
         if annotations:
             (staging / "val" / "val_annotations.txt").write_text("\n".join(annotations) + "\n")
-        with Progress(transient=True) as bar:
+        # each job carries its own image (a few kB pickled), never the whole set
+        with worker_pool(default_workers(workers) or 1) as pool, Progress(transient=True) as bar:
             task = bar.add_task(f"writing {name} as {fmt}", total=len(jobs))
-            with mp.get_context("fork").Pool(default_workers(workers) or 1) as pool:
-                args = ((path, img, fmt, quality, size) for path, img in jobs)
-                for _ in pool.imap_unordered(_write_image, args, chunksize=256):
-                    bar.advance(task)
+            args = ((path, img, fmt, quality, size) for path, img in jobs)
+            for _ in pool.imap_unordered(_write_image, args, chunksize=256):
+                bar.advance(task)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)

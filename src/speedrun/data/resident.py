@@ -69,7 +69,8 @@ class ResidentData:
         self.train_y = ds.train_y.to(device)
         self.test_y = ds.test_y.to(device)
         self.translate = translate
-        self.image_size = ds.image_size
+        self.image_size = ds.image_size                 # training size (random-resized crops)
+        self.stored_size = tuple(self.train.shape[2:])
         self.dtype, self.memory_format, self.device = dtype, memory_format, device
         self.shard = shard
         self.skipped = 0
@@ -102,7 +103,7 @@ class ResidentData:
         for i in range(skip, self.n_train // batch_size):
             idx = perm[i * batch_size:(i + 1) * batch_size][mine]
             x = reflect_pad(self.normalise(self.train[idx]), self.translate)
-            x = augment(x, idx, draws)
+            x = augment(x, idx, draws, size)
             if size is not None and size != x.shape[-1]:
                 x = resize(x, size)
             yield x.contiguous(memory_format=self.memory_format), self.train_y[idx]

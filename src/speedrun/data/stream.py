@@ -220,7 +220,8 @@ class StreamedData:
         self.train_items = ImageItems(source.train, Decoding.for_training(source.channels, cfg, aug, seed))
         self.val_items = ImageItems(source.val, Decoding.for_evaluation(source.channels, cfg))
         self.train_sampler = EpochSampler(len(source.train), cfg.batch_size, seed, True, source.size, shard)
-        self.val_sampler = EpochSampler(len(source.val), recipe.eval.batch_size, seed, False, source.size, shard)
+        self.val_sampler = EpochSampler(len(source.val), recipe.eval.batch_size, seed, False,
+                                        getattr(source, "eval_size", source.image_size)[0], shard)
         self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **self.common)
         self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **self.common)
 

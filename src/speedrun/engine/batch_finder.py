@@ -4,9 +4,11 @@ halve it and try again. The LR and weight decay follow by the recipe's own rule
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
+from ..models import build_model
 from ..optim.params import step_lr
 from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
 
@@ -79,3 +81,62 @@ def fit_batch(recipe: Recipe, probe, runtime, say=print) -> Recipe:
             candidate = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]),
                                          source=recipe.name)
     return recipe if batch == recipe.data.batch_size else _with_batch(recipe, batch, runtime, say)
+
+
+# ------------------------------------------------------------------------------------------
+# A model too large for the device: refused before anything is allocated
+# ------------------------------------------------------------------------------------------
+
+BYTES_PER_PARAMETER = 16
+"""What each parameter needs at the least while training: four fp32 copies (4 bytes each) -
+the weights, their gradients, the optimizer's state (momentum) and the averaged copy. The
+activations, LAMB's second moment and compiled graphs come on top, so a model refused on this
+count cannot train on the device at any batch size; one that passes may still need
+``--find-batch``."""
+
+
+def count_parameters(cfg, in_channels: int, num_classes: int) -> int:
+    """Parameters of the recipe's model, built on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        model = build_model(cfg, in_channels, num_classes)
+    return sum(p.numel() for p in model.parameters())
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes the device can hold: for CUDA its free memory plus what this process's caching
+    allocator already holds (a model built earlier in the process is no obstacle); for the CPU
+    the machine's RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _size_fields(cfg) -> str:
+    """The model fields that set its size, with their values."""
+    if cfg.name == "resnet":
+        return f"model.width={cfg.width} with model.depth={cfg.depth}"
+    return f"model.widths={list(cfg.widths)}" + (f" with model.stem_width={cfg.stem_width}" if cfg.stem_width else "")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB"
+
+
+def check_model_fits(cfg, parameters: int, available: int, device) -> None:
+    """Refuse a model whose ``parameters`` need more than ``available`` bytes on ``device``
+    (:data:`BYTES_PER_PARAMETER` each), naming the model fields that size it."""
+    needed = parameters * BYTES_PER_PARAMETER
+    if needed <= available:
+        return
+    fields = _size_fields(cfg)
+    fix = ("lower model.width or model.depth" if cfg.name == "resnet" else
+           "lower model.widths" + (" or model.stem_width" if cfg.stem_width else ""))
+    raise RecipeError(f"{fields} makes a model of {parameters:,} parameters, which needs at least {_gib(needed)} "
+                      f"to train ({BYTES_PER_PARAMETER} bytes per parameter: weights, gradients, optimizer state "
+                      f"and the averaged copy) but {device} has {_gib(available)}; {fix} so that it fits")
+
+
+def check_model_memory(cfg, in_channels: int, num_classes: int, device: torch.device) -> None:
+    """:func:`check_model_fits` for the recipe's model on ``device``, before it is built."""
+    check_model_fits(cfg, count_parameters(cfg, in_channels, num_classes), device_memory(device), device)

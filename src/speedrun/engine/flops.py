@@ -104,17 +104,20 @@ def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
 
 
 def run_flops(recipe: Recipe, in_channels: int, num_classes: int, image_size: tuple[int, int],
-              step_sizes: Sequence[tuple[int, int]], test_images: int) -> dict:
+              step_sizes: Sequence[tuple[int, int]], test_images: int,
+              eval_size: tuple[int, int] | None = None) -> dict:
     """Total FLOPs of a run: its training steps, each of ``data.batch_size`` images at the size
     it trains at (``step_sizes``, one per step: progressive resizing makes early steps
-    cheaper), plus the final evaluation at full size with its TTA views."""
-    sizes = {tuple(s) for s in step_sizes} | {tuple(image_size)}
+    cheaper), plus the final evaluation at ``eval_size`` (default: the full training size)
+    with its TTA views."""
+    eval_size = tuple(eval_size or image_size)
+    sizes = {tuple(s) for s in step_sizes} | {tuple(image_size), eval_size}
     per_size = {s: per_image_flops(recipe, in_channels, num_classes, s) for s in sorted(sizes)}
     full = per_size[tuple(image_size)]
     steps_at = Counter(tuple(s) for s in step_sizes)
     train = sum(per_size[s]["train"] * n for s, n in steps_at.items()) * recipe.data.batch_size
     extra_views = len(TTA_VIEWS[recipe.eval.tta]) - 1          # only tta_fraction of images get them
-    evaluate = full["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
+    evaluate = per_size[eval_size]["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
     return {"flops_per_train_image": full["train"], "flops_per_forward_image": full["forward"],
             "train_steps_by_size": {f"{h}x{w}": n for (h, w), n in sorted(steps_at.items())},
             "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}

@@ -32,7 +32,7 @@ from ..models.norm import BatchNorm
 from . import checkpoint as ckpt
 from . import distributed
 from . import flops
-from .batch_finder import fit_batch
+from .batch_finder import check_model_memory, fit_batch
 from .distributed import World
 from .evaluate import evaluate
 from .runtime import Runtime, compiled_graphs, compiled_model
@@ -284,6 +284,8 @@ class Session:
         compiled once per process for a given model. The training step calls the wrapped
         model (``self.module``) inside its own compiled program."""
         rt, world = self.runtime, self.world
+        # a model that cannot fit is refused naming its fields, before any of it is allocated
+        check_model_memory(self.recipe.model, self.source.in_channels, self.source.num_classes, rt.device)
 
         def build():
             model = self._fresh_model(seed).to(rt.device, memory_format=rt.memory_format)
@@ -322,7 +324,8 @@ class Session:
         evaluation: :func:`speedrun.engine.flops.run_flops` for this session."""
         src = self.source
         sizes = self.step_sizes(self.recipe, steps, self.steps_per_epoch)
-        return flops.run_flops(self.recipe, src.in_channels, src.num_classes, src.image_size, sizes, len(src.test_y))
+        return flops.run_flops(self.recipe, src.in_channels, src.num_classes, src.image_size, sizes, len(src.test_y),
+                               eval_size=src.eval_size)
 
     def _train_step(self, recipe: Recipe) -> TrainStep:
         total = total_steps(recipe, len(self.source.train_y))
@@ -362,7 +365,8 @@ class Session:
         gen.manual_seed(seed)
         return TrainState(gen=gen, augment=BatchAugment(self.recipe.augment, data.n_train, data.image_size, gen,
                                                         self.runtime.device, data.mean, data.std,
-                                                        resized_crop=not data.crops_in_workers))
+                                                        resized_crop=not data.crops_in_workers,
+                                                        input_size=getattr(data, "stored_size", None)))
 
     # ------------------------------------------------------------------------------------
     # Training

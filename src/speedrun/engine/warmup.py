@@ -47,15 +47,17 @@ def warm_up(session) -> float:
 
     batch = session.local_batch                         # this rank's share of each step
     stats = torch.full((c,), 128.0, device=rt.device), torch.full((c,), 64.0, device=rt.device)
+    stored = getattr(src, "stored_size", src.image_size)
     augment = BatchAugment(r.augment, batch, src.image_size, gen, rt.device, *stats,
-                           resized_crop=not src.crops_in_workers)
+                           resized_crop=not src.crops_in_workers, input_size=stored)
     draws = augment.draw(0)
     step = session.step
     step.idle()                                         # LR 0: kernels run, weights stay
     model.train()
     for size in session.image_sizes():
-        x = augment(reflect_pad(randn(batch, c, size, size).to(rt.dtype), augment.translate),
-                    torch.arange(batch, device=rt.device), draws)
+        side = stored[0] if augment.resized_crop else size       # crops are cut from the stored images
+        x = augment(reflect_pad(randn(batch, c, side, side).to(rt.dtype), augment.translate),
+                    torch.arange(batch, device=rt.device), draws, size if augment.resized_crop else None)
         if x.shape[-1] != size:
             x = resize(x, size)
         x = x.contiguous(memory_format=rt.memory_format)
@@ -69,7 +71,7 @@ def warm_up(session) -> float:
 
     n_test = len(src.test_y)
     for n in eval_batch_sizes(n_test, r.eval.batch_size, session.shard):
-        x = randn(n, c, full, full).to(rt.dtype).contiguous(memory_format=rt.memory_format)
+        x = randn(n, c, *src.eval_size).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
         for _ in range(2):
             evaluate(session.forward, [(x, y)], "none", rt)

@@ -1,0 +1,125 @@
+"""Decoding an image folder once, to a memory-mapped uint8 cache, and training it from memory.
+
+A folder of photos streamed from disk is decoded again every epoch, by worker processes that
+take their cores from training; on two cores that is a large share of the run. Decoded once at
+the evaluation size (shorter side resized, centre square; the same as ``speedrun data
+prepare``), the set trains through the device-resident path: random-resized crops are cut on
+whole batches on the device, straight at the epoch's training size.
+
+The cache is a ``.npz`` named by a digest of what it was made from (every file's name, size and
+modification time, the size, channels, decoder and skip setting), so a changed folder is
+decoded again and an unchanged one is never decoded twice. It is written atomically
+(``prepare`` writes to a temporary name and renames).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import DataError
+from .arrays import load_npz
+from .builtin import ArrayDataset
+from .folder import ImageList
+
+CACHE_VERSION = 1
+MEMORY_SHARE = 0.5
+"""auto: the cache is used when it takes at most this share of the machine's memory."""
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SPEEDRUN_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "speedrun"
+
+
+def cache_bytes(n_images: int, channels: int, size: int) -> int:
+    return n_images * channels * size * size
+
+
+def memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):          # pragma: no cover - non-POSIX
+        return 0
+
+
+def use_cache(setting: str, crop: str, eval_crop: float, n_images: int, channels: int, size: int,
+              memory: int | None = None) -> tuple[bool, str]:
+    """(whether to decode the folder once, why): ``on``/``off`` as set; ``auto`` for
+    random-resized-crop recipes evaluated on whole centre squares (``eval_crop`` 1: the
+    cache holds centre squares) whose cache takes at most half the memory."""
+    need = cache_bytes(n_images, channels, size)
+    if setting == "on":
+        return True, f"decoded once at {size} px (data.cache=on)"
+    if setting == "off":
+        return False, "streamed (data.cache=off)"
+    if crop != "random_resized":
+        return False, "streamed (translate crops are cut while decoding)"
+    if eval_crop != 1.0:
+        return False, f"streamed (data.eval_crop={eval_crop:g}: the cache holds whole centre squares)"
+    memory = memory_bytes() if memory is None else memory
+    if memory and need > MEMORY_SHARE * memory:
+        return False, (f"streamed: decoded at {size} px it would take {need / 2**30:.1f} GiB, over half of "
+                       f"the {memory / 2**30:.1f} GiB of memory")
+    return True, f"decoded once at {size} px ({need / 2**30:.2f} GiB, memory-mapped)"
+
+
+def cache_key(train: ImageList, val: ImageList, size: int, channels: int, decoder: str, skip_corrupt: bool) -> str:
+    h = hashlib.sha256(f"v{CACHE_VERSION}|{size}|{channels}|{decoder}|{skip_corrupt}".encode())
+    for split, images in (("train", train), ("val", val)):
+        h.update(f"|{split}|{images.root.resolve()}|{len(images)}".encode())
+        for name, label in zip(images.files, images.labels.tolist()):
+            try:
+                st = (images.root / name).stat()
+            except OSError:
+                stamp = "missing"
+            else:
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            h.update(f"|{name}|{label}|{stamp}".encode())
+    return h.hexdigest()[:20]
+
+
+def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data, train_size: int,
+                say=print) -> tuple[ArrayDataset, dict]:
+    """The folder decoded at ``size`` (made now if it is not cached), as an array dataset
+    trained at ``train_size``; and a description for the run's record."""
+    from .prepare import prepare
+    root = cache_root(data.cache_dir)
+    key = cache_key(train, val, size, channels, data.decoder, data.skip_corrupt)
+    path = root / f"folder-{key}.npz"
+    info_path = path.with_suffix(".json")
+    made, seconds = False, 0.0
+    if not path.is_file():
+        say(f"decoding {len(train) + len(val):,} images once at {size} px into {path}")
+        t0 = time.perf_counter()
+        result = prepare(data.path, size, path, val_fraction=data.val_fraction, seed=data.split_seed,
+                         workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
+        seconds = time.perf_counter() - t0
+        made = True
+        info = {"skipped": result["skipped"], "decode_seconds": seconds,
+                "images_per_s": (len(train) + len(val)) / seconds if seconds else None,
+                "source": str(train.root.parent if train.root.name == "train" else train.root)}
+        tmp = info_path.with_name(f"{info_path.name}.{os.getpid()}.tmp")   # ranks may make it at once
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, info_path)
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        info = {"skipped": 0}
+    ds = load_npz(path)
+    if ds.classes != train.classes:
+        raise DataError(f"{path}: a decoded cache whose classes differ from the folder's; delete it and run "
+                        "again")
+    ds.train_size = train_size if train_size and train_size < size else 0
+    ds.name, ds.source = "folder", str(train.root)
+    description = {"cache": str(path), "cache_made_now": made, "cache_size": size,
+                   "decode_seconds": round(seconds, 2) if made else None,
+                   "decode_images_per_s": info.get("images_per_s"), "skipped_images": info.get("skipped", 0)}
+    return ds, description

@@ -1,0 +1,110 @@
+"""What the ``folder`` recipe chooses from the data it is given.
+
+The rules look only at what the images are (their size, how many there are), never at which
+data set they come from, and every choice is an ordinary recipe field: a field the user set
+with ``--set`` is kept as given. The decision and its reasons are said at the start of the run
+and kept in its summary.
+
+- **Photos** (median shorter side of at least ``PHOTO_SIDE`` px): the settings of the shipped
+  photo recipe (``PHOTO_RECIPE``: a ResNet with the Bag-of-Tricks tweaks, random-resized crops,
+  progressive resizing), trained at ``PHOTO_TRAIN_SIDE`` px or 0.8 of the images' side where
+  they are smaller, and evaluated a quarter larger (Touvron et al., 2019: random-resized crops
+  make objects look larger in training than in a centre crop, so testing at a higher
+  resolution matches their apparent size), from a decoded cache.
+- **Small images**: the recipe's own speed net at the images' size (up to 224 px).
+- **A small folder**: the batch is halved (down to 16) until an epoch has at least four steps.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+
+PHOTO_SIDE = 96
+"""Median shorter side (px) from which a folder is treated as photos."""
+PHOTO_TRAIN_SIDE = 128
+"""Training side (px) for photos: the Imagenette leaderboard's smallest size, a budget that
+two CPU cores train five epochs of 10,000 images in within minutes."""
+EVAL_OVER_TRAIN = 1.25
+"""Evaluation side over training side for random-resized-crop training."""
+PHOTO_RECIPE = "imagenette"
+"""The shipped recipe whose model, augmentation, optimizer, schedule and training sections
+photos get."""
+PHOTO_SECTIONS = ("augment", "model", "optim", "schedule", "averaging", "train", "eval")
+PHOTO_DATA_FIELDS = ("batch_size", "progressive", "cache")
+MIN_STEPS_PER_EPOCH = 4
+MIN_BATCH = 16
+
+
+def multiple_of_8(x: float) -> int:
+    return max(8, int(round(x / 8)) * 8)
+
+
+@dataclass
+class Choices:
+    """Recipe overrides chosen from the data, and the reasons, one per choice."""
+    overrides: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    sections: dict = field(default_factory=dict)      # whole sections to replace (photos)
+
+    def line(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def small_folder_batch(n_train: int, batch: int) -> int:
+    """The batch for ``n_train`` training images: halved (not below 16, nor above the set)
+    until an epoch has at least four steps."""
+    while batch > MIN_BATCH and batch * MIN_STEPS_PER_EPOCH > n_train:
+        batch //= 2
+    return max(1, min(batch, n_train))
+
+
+def photo_recipe() -> dict:
+    text = (resources.files("speedrun") / "recipes" / f"{PHOTO_RECIPE}.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> Choices:
+    """The folder recipe's choices for images whose median shorter side is ``median_side``."""
+    c = Choices()
+    if median_side >= PHOTO_SIDE:
+        preset = photo_recipe()
+        c.sections = {k: preset[k] for k in PHOTO_SECTIONS if k in preset}
+        train = min(PHOTO_TRAIN_SIDE, multiple_of_8(0.8 * median_side))
+        evaluate = min(multiple_of_8(median_side), multiple_of_8(EVAL_OVER_TRAIN * train))
+        data = preset["data"]
+        for k in PHOTO_DATA_FIELDS:
+            if k in data:
+                c.overrides.append(f"data.{k}={_toml(data[k])}")
+        c.overrides += [f"data.image_size={train}", f"data.eval_size={evaluate}", "data.eval_crop=1.0"]
+        model = preset["model"]
+        net = f"ResNet-{model.get('depth', 50)}{model.get('variant', 'a').upper()}"
+        c.reasons.append(f"photos (median shorter side {median_side} px >= {PHOTO_SIDE}): {net} as in the "
+                         f"{PHOTO_RECIPE} recipe, random-resized crops trained at {train} px"
+                         + (" (progressive from smaller)" if data.get("progressive") else "")
+                         + f", evaluated at {evaluate} px")
+        batch = data.get("batch_size", batch_size)
+    else:
+        size = min(224, multiple_of_8(median_side))
+        c.overrides += [f"data.image_size={size}", f"data.eval_crop={1.0 if size <= 64 else 0.875}"]
+        c.reasons.append(f"small images (median shorter side {median_side} px < {PHOTO_SIDE}): the speed net "
+                         f"at {size} px")
+        batch = batch_size
+    fitted = small_folder_batch(n_train, batch)
+    if fitted != batch:
+        c.overrides.append(f"data.batch_size={fitted}")
+        c.reasons.append(f"batch {fitted} for {n_train} training images (at least {MIN_STEPS_PER_EPOCH} steps "
+                         "an epoch)")
+    c.reasons.append(f"{n_classes} classes")
+    return c
+
+
+def _toml(value) -> str:
+    """A value as the right-hand side of a --set override."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)

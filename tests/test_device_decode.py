@@ -1,0 +1,139 @@
+"""``data prepare --decoder torchvision``: JPEGs decoded in batches by torchvision on the device
+(nvjpeg on a GPU; the same calls decode on the CPU here), on real CIFAR-10 images upscaled to
+non-square photos. The tests that decode need torchvision and are skipped, saying why, where
+it cannot be imported (the CPU torch 2.13 in .venv); CI runs them in .venv-2.14 beside
+torchvision 0.29.1. Where it cannot be imported, asking for it is one clear error."""
+import pytest
+import torch
+from PIL import Image
+
+from speedrun.data import DataError
+from speedrun.data.arrays import load_npz
+from speedrun.data.folder import folder_splits
+from speedrun.data.prepare import prepare
+from speedrun.data.stream import Decoding, ImageItems
+
+from test_failures import assert_unchanged, check_refused, snapshot
+
+
+def _torchvision_missing() -> str | None:
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception as err:                        # noqa: BLE001 - a mismatched build fails in many ways
+        return f"torchvision cannot be imported here ({type(err).__name__}: {err})"
+    return None
+
+
+MISSING = _torchvision_missing()
+needs_torchvision = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+SHAPES = [(64, 64), (96, 72), (72, 96), (80, 64), (91, 64), (64, 95), (96, 96)]
+"""(width, height) of the photos: square, landscape, portrait, sides differing by odd counts."""
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory, cifar10):
+    """CIFAR-10's first 70 training and 21 test images upscaled (bicubic) to 64-96 px, most
+    square-less, as JPEG (quality 90; every tenth as PNG) in the ImageNet layout."""
+    root = tmp_path_factory.mktemp("photos") / "photos"
+    for split, xs, ys, n in (("train", cifar10.train_x, cifar10.train_y, 70),
+                             ("val", cifar10.test_x, cifar10.test_y, 21)):
+        for i in range(n):
+            w, h = SHAPES[i % len(SHAPES)]
+            folder = root / split / cifar10.classes[int(ys[i])]
+            folder.mkdir(parents=True, exist_ok=True)
+            im = Image.fromarray(xs[i].permute(1, 2, 0).numpy()).resize((w, h), Image.BICUBIC)
+            if i % 10 == 9:
+                im.save(folder / f"{i:03d}.png")
+            else:
+                im.save(folder / f"{i:03d}.jpg", quality=90)
+    return root
+
+
+def reference(images, size: int, channels: int, decoder: str) -> torch.Tensor:
+    """The streamed pipeline's centre crop (fraction 1.0), N x C x size x size."""
+    items = ImageItems(images, Decoding(channels, False, eval_crop=1.0, decoder=decoder))
+    return torch.stack([items[(i, size, 0)][0] for i in range(len(images))]).permute(0, 3, 1, 2)
+
+
+def differences(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(mean absolute difference in grey levels, the largest of the per-image means)."""
+    d = (a.float() - b.float()).abs()
+    return float(d.mean()), float(d.mean(dim=(1, 2, 3)).max())
+
+
+@pytest.mark.skipif(MISSING is None, reason="torchvision can be imported here")
+def test_asking_for_torchvision_without_it_is_one_clear_error_and_writes_nothing(photos, tmp_path, cli):
+    before = snapshot(tmp_path)
+    with pytest.raises(DataError, match=r"decoder 'torchvision' needs torchvision.*install the torchvision "
+                                        r"release built for this torch"):
+        prepare(photos, 32, tmp_path / "new" / "x.npz", decoder="torchvision")
+    err = check_refused(cli("data", "prepare", photos, "--size", 32, "--out", tmp_path / "y.npz",
+                            "--decoder", "torchvision"), 1, "torchvision", f"torch {torch.__version__}")
+    assert "decoder 'auto'" in err
+    assert_unchanged(tmp_path, before)
+
+
+@needs_torchvision
+def test_torchvision_decoding_matches_the_pillow_path(photos):
+    from speedrun.data.device_decode import decode_to_square
+    train, _ = folder_splits(photos, 0.0, 0)
+    paths = [train.path(i) for i in range(len(train))]
+    assert {p.suffix for p in paths} == {".jpg", ".png"}
+    for channels in (3, 1):
+        for size in (32, 64):
+            x, kept = decode_to_square(paths, size, channels, torch.device("cpu"), False)
+            assert x.shape == (len(paths), channels, size, size) and x.dtype == torch.uint8 and bool(kept.all())
+            # the default decoder (libjpeg-turbo, fast DCT, DCT down-scaling first): close
+            mean, worst = differences(x, reference(train, size, channels, "auto"))
+            assert mean < 3 and worst < 6, (channels, size, mean, worst)
+            if size == 64:
+                # Pillow without DCT down-scaling (no photo is 128 px or more): the same geometry and
+                # filter, so only the decoders' and the fixed-point rounding remain
+                mean, worst = differences(x, reference(train, size, channels, "pillow"))
+                assert mean < 0.5 and worst < 1, (channels, mean, worst)
+
+
+@needs_torchvision
+def test_a_corrupt_jpeg_is_named_or_skipped_by_the_torchvision_decoder(photos, tmp_path):
+    from speedrun.data.device_decode import decode_to_square
+    good = sorted((photos / "train" / "cat").glob("*.jpg"))[:3]
+    data = good[0].read_bytes()
+    truncated = tmp_path / "truncated.jpg"          # a readable header: fails in the batched decode
+    truncated.write_bytes(data[:len(data) // 2])
+    junk = tmp_path / "junk.jpg"                    # not a JPEG at all: fails on the host
+    junk.write_bytes(b"not an image at all")
+    cpu = torch.device("cpu")
+    for bad in (truncated, junk):
+        with pytest.raises(DataError, match=rf"{bad.name}: cannot decode this image.*--skip-corrupt"):
+            decode_to_square([good[0], bad, good[1]], 32, 3, cpu, False)
+    x, kept = decode_to_square([good[0], truncated, good[1], junk, good[2]], 32, 3, cpu, True)
+    assert kept.tolist() == [True, False, True, False, True]
+    clean, _ = decode_to_square(good, 32, 3, cpu, False)
+    assert torch.equal(x[kept], clean) and not x[~kept].any()
+
+
+@needs_torchvision
+def test_prepare_with_the_torchvision_decoder_writes_the_npz_the_default_decoder_writes(photos, tmp_path, cli):
+    rc, err = cli("data", "prepare", photos, "--size", 32, "--out", tmp_path / "tv.npz", "--decoder", "torchvision")
+    assert rc == 0, err
+    prepare(photos, 32, tmp_path / "default.npz", workers=1)
+    tv, default = load_npz(tmp_path / "tv.npz"), load_npz(tmp_path / "default.npz")
+    assert tv.classes == default.classes
+    assert torch.equal(tv.train_y, default.train_y) and torch.equal(tv.test_y, default.test_y)
+    for a, b in ((tv.train_x, default.train_x), (tv.test_x, default.test_x)):
+        mean, worst = differences(a, b)
+        assert a.shape == b.shape and mean < 3 and worst < 6, (mean, worst)
+
+
+@needs_torchvision
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvjpeg)")
+def test_nvjpeg_on_the_gpu_decodes_what_the_cpu_decodes(photos):
+    from speedrun.data.device_decode import decode_to_square
+    train, _ = folder_splits(photos, 0.0, 0)
+    paths = [train.path(i) for i in range(len(train))]
+    gpu, kept = decode_to_square(paths, 32, 3, torch.device("cuda"), False)
+    cpu, _ = decode_to_square(paths, 32, 3, torch.device("cpu"), False)
+    assert gpu.device.type == "cuda" and bool(kept.all())
+    mean, worst = differences(gpu.cpu(), cpu)
+    assert mean < 1 and worst < 3, (mean, worst)

@@ -1,0 +1,118 @@
+"""Photo folders: what the folder recipe chooses from the data, the decoded cache, and
+random-resized crops cut from it at the training size (real folders of CIFAR-10 images
+exported as JPEG files at 32 and 224 px)."""
+import json
+import os
+
+import torch
+
+from speedrun.data.builtin import ArrayDataset
+from speedrun.data.cache import cache_key, use_cache
+from speedrun.data.choices import PHOTO_SIDE, choose, small_folder_batch
+from speedrun.data.dataset import open_source
+from speedrun.data.folder import folder_splits
+from speedrun.data.augment import BatchAugment
+from speedrun.data.resident import ResidentData
+from speedrun.recipe import load_recipe
+
+from test_cli import speedrun
+
+
+def test_photos_and_small_images_are_told_apart_by_their_size_only():
+    photos = choose(224, 9469, 10, 512)
+    assert "photos" in photos.line() and photos.sections["model"]["name"] == "resnet"
+    assert {"data.image_size=128", "data.eval_size=160", "data.eval_crop=1.0"} <= set(photos.overrides)
+    small = choose(32, 50_000, 10, 512)
+    assert "small images" in small.line() and not small.sections
+    assert "data.image_size=32" in small.overrides and not any("batch_size" in o for o in small.overrides)
+    # just below and at the threshold; photos smaller than 160 px train at 0.8 of their side
+    assert not choose(PHOTO_SIDE - 8, 1000, 10, 512).sections
+    edge = choose(PHOTO_SIDE, 1000, 10, 512)
+    assert edge.sections and "data.image_size=80" in edge.overrides and "data.eval_size=96" in edge.overrides
+
+
+def test_a_small_folder_gets_a_batch_that_fits_it():
+    assert small_folder_batch(200, 512) == 32            # at least 4 steps an epoch
+    assert small_folder_batch(50_000, 512) == 512
+    assert small_folder_batch(40, 512) == 16             # not below 16 ...
+    assert small_folder_batch(10, 512) == 10             # ... nor above the set
+    c = choose(32, 200, 10, 512)
+    assert "data.batch_size=32" in c.overrides and "batch 32 for 200 training images" in c.line()
+
+
+def test_the_folder_recipe_chooses_from_two_folders_and_keeps_what_the_user_set(jpeg32, imagenet224):
+    recipe, src = open_source(load_recipe("folder"), jpeg32)
+    assert recipe.model.name == "speednet" and recipe.data.image_size == 32 and not recipe.data.auto_choices
+    assert "small images" in src.choices[0] and recipe.data.batch_size == 128    # 512 images: 4 steps of 128
+    sets = ["train.epochs=3", "data.eval_size=144"]
+    recipe, src = open_source(load_recipe("folder", sets), imagenet224)
+    assert recipe.model.name == "resnet" and recipe.model.variant == "d" and recipe.augment.crop == "random_resized"
+    assert recipe.data.image_size == 128 and recipe.data.eval_size == 144 and recipe.train.epochs == 3   # kept
+    assert "photos" in src.choices[0] and "kept as set: train.epochs, data.eval_size" in "; ".join(src.choices)
+    assert isinstance(src, ArrayDataset) and src.eval_size == (144, 144) and src.image_size == (128, 128)
+    assert src.cache["cache_size"] == 144
+
+
+def test_the_cache_is_made_once_and_made_again_when_a_file_changes(imagenet224, tmp_path):
+    import shutil
+    folder = tmp_path / "photos"
+    shutil.copytree(imagenet224, folder)
+    sets = ["data.eval_size=40", "data.image_size=32", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1"]
+    _, first = open_source(load_recipe("imagenette", sets), folder)
+    _, again = open_source(load_recipe("imagenette", sets), folder)
+    assert first.cache["cache_made_now"] and not again.cache["cache_made_now"]
+    assert first.cache["cache"] == again.cache["cache"]
+    assert torch.equal(first.test_x, again.test_x) and first.test_x.shape[2:] == (40, 40)
+    victim = sorted((folder / "train").rglob("*.jpg"))[0]
+    os.utime(victim, ns=(0, 0))                                       # touched: decoded again
+    _, changed = open_source(load_recipe("imagenette", sets), folder)
+    assert changed.cache["cache_made_now"] and changed.cache["cache"] != first.cache["cache"]
+    train, val = folder_splits(folder, 0.0, 0)
+    assert cache_key(train, val, 40, 3, "auto", False) != cache_key(train, val, 48, 3, "auto", False)
+
+
+def test_when_the_cache_is_used():
+    assert use_cache("auto", "random_resized", 1.0, 13_394, 3, 160, memory=24 << 30)[0]
+    too_big, why = use_cache("auto", "random_resized", 1.0, 1_281_167, 3, 224, memory=24 << 30)
+    assert not too_big and "over half" in why
+    assert not use_cache("auto", "translate", 1.0, 1000, 3, 32)[0]
+    assert not use_cache("auto", "random_resized", 0.875, 1000, 3, 224)[0]       # centre crops: streamed
+    assert use_cache("on", "translate", 0.875, 1000, 3, 32)[0] and not use_cache("off", "random_resized", 1.0, 10, 3, 8)[0]
+
+
+def test_random_resized_crops_are_cut_from_the_stored_images_at_the_training_size():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (64, 3, 40, 40), dtype=torch.uint8, generator=g)
+    y = torch.arange(64) % 10
+    ds = ArrayDataset("t", [str(i) for i in range(10)], x, y, x[:8], y[:8], "t", train_size=32)
+    data = ResidentData(ds, torch.device("cpu"), torch.float32, torch.contiguous_format)
+    assert data.image_size == (32, 32) and data.stored_size == (40, 40)
+    cfg = load_recipe("imagenette").augment.model_copy(update={"flip": "none", "rrc_scale": (1.0, 1.0),
+                                                               "rrc_ratio": (1.0, 1.0)})
+    aug = BatchAugment(cfg, 64, data.image_size, g, torch.device("cpu"), data.mean, data.std,
+                       input_size=data.stored_size)
+    boxes = aug.draw(0)["boxes"]
+    assert (boxes == torch.tensor([0, 0, 40, 40])).all()              # the whole 40 px image, not 32 px of it
+    batch, _ = next(data.epoch(0, 16, aug, g, size=24))
+    assert batch.shape[1:] == (3, 24, 24)                             # cut straight at the epoch's size
+    # a whole-image box resampled to 24 px is the image resized (bilinear)
+    some = data.normalise(x[:16])
+    out = aug(some, torch.arange(16), aug.draw(0), 24)
+    ref = torch.nn.functional.interpolate(some, size=(24, 24), mode="bilinear", align_corners=False)
+    assert torch.allclose(out, ref, atol=1e-4)
+
+
+def test_folder_run_says_what_it_chose_and_records_it(imagenet224, tmp_path):
+    out = tmp_path / "run"
+    proc = speedrun("train", "folder", "--data-dir", imagenet224, "--out", out,
+                    "--set", "model={name='resnet', depth=18, stem='imagenet', variant='d', width=8, zero_gamma=true}",
+                    "--set", "data.image_size=32", "--set", "data.eval_size=40", "--set", "train.epochs=1",
+                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.workers=1")
+    assert "from the data: photos (median shorter side 224 px" in proc.stdout
+    assert "decoded once at 40 px" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_choices"][0].startswith("photos") and summary["data_cache"]["cache_size"] == 40
+    pre = json.loads((out / "preprocessing.json").read_text())
+    assert pre["image_size"] == [40, 40] and pre["eval_crop"] == 1.0         # predict sees what evaluation saw
+    config = load_recipe(str(out / "config.toml"))
+    assert config.model.name == "resnet" and config.model.width == 8 and not config.data.auto_choices
