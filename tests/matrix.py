@@ -81,6 +81,7 @@ MATRIX: list[Entry] = [
     *_fp32("imagenet-resnet18-fast", "tiny_npz32", NPZ + RESNET18_FAST),
     *_both("imagenette", "imagenet224", IMAGENETTE),
     *_fp32("imagenette", "imagenet224", IMAGENETTE + ["data.cache=off"]),      # streamed, evaluated at 40 px
+    *_both("imagenette-20", "imagenet224", IMAGENETTE),
     *_both("tiny-imagenet", "tiny64", TINY, subprocess=True),
     *_fp32("tiny-imagenet", "tiny_npz32", NPZ + TINY),
     # the two remaining corners of fp32/bf16 x eager/compiled

@@ -4,6 +4,8 @@ exported as JPEG files at 32 and 224 px)."""
 import json
 import os
 
+import numpy as np
+
 import torch
 
 from speedrun.data.builtin import ArrayDataset
@@ -116,3 +118,29 @@ def test_folder_run_says_what_it_chose_and_records_it(imagenet224, tmp_path):
     assert pre["image_size"] == [40, 40] and pre["eval_crop"] == 1.0         # predict sees what evaluation saw
     config = load_recipe(str(out / "config.toml"))
     assert config.model.name == "resnet" and config.model.width == 8 and not config.data.auto_choices
+
+
+def test_awkward_photos_are_decoded_once_and_a_corrupt_one_is_named_or_skipped(imagenet224, tmp_path):
+    import shutil
+    from PIL import Image
+    folder = tmp_path / "photos"
+    shutil.copytree(imagenet224, folder)
+    cls = folder / "train" / sorted(p.name for p in (folder / "train").iterdir())[0]
+    rgb = np.random.default_rng(0).integers(0, 256, (180, 240, 3), dtype=np.uint8)
+    Image.fromarray(rgb).convert("CMYK").save(cls / "cmyk.jpg", quality=90)
+    Image.fromarray(rgb[:, :, 0]).save(cls / "grey.png")
+    Image.fromarray((rgb[:, :, 1].astype(np.uint16) * 257)).save(cls / "deep.png")         # 16-bit grey
+    Image.fromarray(rgb[:3, :3]).save(cls / "tiny.png")
+    (cls / "broken.jpg").write_bytes((cls / "cmyk.jpg").read_bytes()[:200])                # truncated
+    cache = tmp_path / "cache"
+    sets = ["--set", "model={name='resnet', depth=18, stem='imagenet', variant='d', width=8, zero_gamma=true}",
+            "--set", "data.image_size=32", "--set", "data.eval_size=40", "--set", "train.epochs=1",
+            "--set", f"data.cache_dir={cache}", "--set", "data.workers=1"]
+    proc = speedrun("train", "folder", "--data-dir", folder, "--out", tmp_path / "a", *sets, check=False)
+    assert proc.returncode == 1 and "broken.jpg" in proc.stderr and "skip_corrupt" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "a").exists()
+    assert not list(cache.glob("*.npz")) if cache.exists() else True                     # nothing half-made
+    proc = speedrun("train", "folder", "--data-dir", folder, "--out", tmp_path / "b", *sets,
+                    "--set", "data.skip_corrupt=true")
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["skipped_images"] == 1 and "unreadable images skipped" in proc.stdout

@@ -258,8 +258,8 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
                                      f"node{'s' if world.nodes > 1 else ''})"))
     if result.recompiles:
         rows.insert(6, ("recompiles during the run", str(result.recompiles)))
-    if result.skipped_images:
-        rows.insert(4, ("unreadable images skipped", str(result.skipped_images)))
+    if summary["skipped_images"]:
+        rows.insert(4, ("unreadable images skipped", str(summary["skipped_images"])))
     if result.resumed_from_step is not None:
         rows.insert(4, ("resumed from step", str(result.resumed_from_step)))
     print_table(f"{recipe.name} on {summary['device_name']}", rows)
