@@ -8,7 +8,7 @@ other in one session:
 2. the input pipelines alone, no training: batches of random-resized crops at the training size,
    streamed (DataLoader workers decode and crop each image, DCT-scaled JPEG decoding) and from
    the cache (crops cut on whole batches), images/s;
-3. training: one epoch of `speedrun train RECIPE` at full training size with each pipeline
+3. training: `--epochs` (default one) of `speedrun train RECIPE` at full training size with each pipeline
    (`data.cache=on` / `off`), from its metrics (seconds of the epoch), images/s; the workers of
    the streamed run share the cores with training.
 
@@ -53,10 +53,10 @@ def pipeline_rate(recipe, data_dir, batches: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def train_epoch(recipe: str, data_dir: str, cache: str, tmp: Path, size: int) -> dict:
+def train_epoch(recipe: str, data_dir: str, cache: str, tmp: Path, size: int, epochs: float) -> dict:
     out = tmp / f"train-{cache}"
     cmd = [sys.executable, "-m", "speedrun", "train", recipe, "--data-dir", data_dir, "--out", str(out),
-           "--set", "train.epochs=1", "--set", f"data.cache={cache}", "--set", "data.progressive=[[0.0, 1.0]]",
+           "--set", f"train.epochs={epochs}", "--set", f"data.cache={cache}", "--set", "data.progressive=[[0.0, 1.0]]",
            "--set", "eval.every=0"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -77,6 +77,7 @@ def main() -> int:
     p.add_argument("--recipe", default="imagenette")
     p.add_argument("--batches", type=int, default=15)
     p.add_argument("--no-training", action="store_true")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs of each timed training run")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     base = load_recipe(args.recipe)
@@ -102,9 +103,9 @@ def main() -> int:
         if not args.no_training:
             record["training"] = []
             for cache in ("on", "off"):
-                row = train_epoch(args.recipe, args.folder, cache, tmp, size)
+                row = train_epoch(args.recipe, args.folder, cache, tmp, size, args.epochs)
                 record["training"].append(row)
-                print(f"training one epoch at {size} px, cache {cache}: {row['images_per_s']:.1f} images/s "
+                print(f"training {args.epochs:g} epoch(s) at {size} px, cache {cache}: {row['images_per_s']:.1f} images/s "
                       f"({row['epoch_seconds']:.1f} s)")
     record["environment"] = environment()
     atomic_write_json(args.out, record)

@@ -51,6 +51,11 @@ def test_the_folder_recipe_chooses_from_two_folders_and_keeps_what_the_user_set(
     assert recipe.model.name == "resnet" and recipe.model.variant == "d" and recipe.augment.crop == "random_resized"
     assert recipe.data.image_size == 128 and recipe.data.eval_size == 144 and recipe.train.epochs == 3   # kept
     assert "photos" in src.choices[0] and "kept as set: train.epochs, data.eval_size" in "; ".join(src.choices)
+    # every section but data is the imagenette recipe's, down to the ones it leaves at their defaults
+    same = load_recipe("imagenette", sets)
+    for section in ("augment", "model", "optim", "schedule", "averaging", "eval", "runtime"):
+        assert getattr(recipe, section) == getattr(same, section), section
+    assert recipe.averaging.kind == "none"                        # not the folder recipe's lookahead
     assert isinstance(src, ArrayDataset) and src.eval_size == (144, 144) and src.image_size == (128, 128)
     assert src.cache["cache_size"] == 144
 

@@ -45,7 +45,7 @@ class Choices:
     """Recipe overrides chosen from the data, and the reasons, one per choice."""
     overrides: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
-    sections: dict = field(default_factory=dict)      # whole sections to replace (photos)
+    sections: dict = field(default_factory=dict)      # whole sections to replace (photos); None: to remove
 
     def line(self) -> str:
         return "; ".join(self.reasons)
@@ -69,7 +69,8 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
     c = Choices()
     if median_side >= PHOTO_SIDE:
         preset = photo_recipe()
-        c.sections = {k: preset[k] for k in PHOTO_SECTIONS if k in preset}
+        # a section the photo recipe leaves out takes the defaults (None: removed), not the folder recipe's
+        c.sections = {k: preset.get(k) for k in PHOTO_SECTIONS}
         train = min(PHOTO_TRAIN_SIDE, multiple_of_8(0.8 * median_side))
         evaluate = min(multiple_of_8(median_side), multiple_of_8(EVAL_OVER_TRAIN * train))
         data = preset["data"]

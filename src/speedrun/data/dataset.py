@@ -90,7 +90,11 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
     if d.auto_choices:
         c = choose(median, n_train, n_classes, d.batch_size)
         raw = recipe.to_dict()
-        raw.update(c.sections)
+        for k, section in c.sections.items():
+            if section is None:
+                raw.pop(k, None)
+            else:
+                raw[k] = section
         raw = apply_overrides(raw, c.overrides + list(user or []) + ["data.auto_choices=false"])
         recipe = recipe_from_dict(raw, source=recipe.name)
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
