@@ -77,6 +77,7 @@ def main() -> int:
     p.add_argument("--recipe", default="imagenette")
     p.add_argument("--batches", type=int, default=15)
     p.add_argument("--no-training", action="store_true")
+    p.add_argument("--order", default="on,off", help="order of the training runs")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of each timed training run")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -102,7 +103,7 @@ def main() -> int:
         record["pipeline_images_per_s"] = {"streamed": rates["off"], "cached": rates["on"]}
         if not args.no_training:
             record["training"] = []
-            for cache in ("on", "off"):
+            for cache in args.order.split(","):
                 row = train_epoch(args.recipe, args.folder, cache, tmp, size, args.epochs)
                 record["training"].append(row)
                 print(f"training {args.epochs:g} epoch(s) at {size} px, cache {cache}: {row['images_per_s']:.1f} images/s "
