@@ -361,6 +361,10 @@ class Recipe(Section):
             raise ValueError("train.accumulate must not exceed data.batch_size")
         return self
 
+    def __eq__(self, other) -> bool:
+        """Recipes are equal when their fields are (not the --set values they were loaded with)."""
+        return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
+
     # -- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", exclude_none=True)
