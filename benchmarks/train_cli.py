@@ -26,6 +26,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + runs - 1")
     p.add_argument("--data-dir")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cold-cache", action="store_true",
@@ -39,7 +40,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             folder = Path(tmp) / f"run{i}"
-            cmd = [sys.executable, "-m", "speedrun", "train", args.recipe, "--seed", str(i), "--out", str(folder)]
+            cmd = [sys.executable, "-m", "speedrun", "train", args.recipe, "--seed", str(args.first_seed + i),
+                   "--out", str(folder)]
             cmd += (["--data-dir", args.data_dir] if args.data_dir else []) + args.extra
             env = dict(os.environ)
             if args.cold_cache:
