@@ -221,18 +221,27 @@ def _fetch(spec: DatasetSpec, root: Path) -> Path:
 
 def _unpack(spec: DatasetSpec, archive: Path, root: Path) -> Path:
     """Extract ``archive`` into a staging folder, verify, then move into ``root/folder``."""
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{spec.folder}-"))
+    # errors name the member, not the staging path
+    return unpack_checked(archive, root, spec.folder, spec.archive,
+                          lambda extracted: verify_files(spec, extracted, archive=archive))
+
+
+def unpack_checked(archive: Path, root: Path, folder: str, official: str, check, fix: str | None = None) -> Path:
+    """Extract ``archive`` into a staging folder in ``root``, run ``check`` on the ``folder``
+    it holds, and only then move it to ``root/folder``; on any failure nothing is left in
+    ``root``. ``fix``: what to do, appended to the error of an archive without ``folder``."""
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{folder}-"))
     try:
         safe_extract(archive, staging)
-        extracted = staging / spec.folder
+        extracted = staging / folder
         if not extracted.is_dir():
-            raise DataError(f"{archive}: has no folder {spec.folder}/ inside; "
-                            f"it is not the official {spec.archive}")
-        verify_files(spec, extracted, archive=archive)     # errors name the member, not the staging path
-        move_into(extracted, root / spec.folder)
+            raise DataError(f"{archive}: has no folder {folder}/ inside; it is not the official {official}"
+                            + (f". {fix}" if fix else ""))
+        check(extracted)
+        move_into(extracted, root / folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return root / spec.folder
+    return root / folder
 
 
 def move_into(src: Path, dest: Path) -> None:

@@ -21,15 +21,13 @@ the unpacked folder, and the image-folder pipeline does the rest.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DataError
 from ..recipe import Recipe, recipe_from_dict
-from .builtin import _mirror, _writable_root, move_into, search_roots
-from .download import download, md5sum, safe_extract
+from .builtin import _mirror, _writable_root, search_roots, unpack_checked
+from .download import download, md5sum
 from .folder import IMAGE_EXTENSIONS
 
 BASE_URL = "https://s3.amazonaws.com/fast-ai-imageclas/"
@@ -144,18 +142,8 @@ def unpack(spec: ImagenetteSpec, archive: Path, root: Path, fix: str | None = No
     only then move it to ``root/<folder>``; on any failure nothing is left in ``root``."""
     fix = fix or f"Delete {archive} and let speedrun download it again."
     check_archive(spec, archive, fix)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{spec.folder}-"))
-    try:
-        safe_extract(archive, staging)
-        extracted = staging / spec.folder
-        if not extracted.is_dir():
-            raise DataError(f"{archive}: has no folder {spec.folder}/ inside; it is not the official "
-                            f"{spec.archive}. {fix}")
-        check_folder(spec, extracted, fix, archive=archive)
-        move_into(extracted, root / spec.folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return root / spec.folder
+    return unpack_checked(archive, root, spec.folder, spec.archive,
+                          lambda extracted: check_folder(spec, extracted, fix, archive=archive), fix)
 
 
 def _count_images(folder: Path) -> int:
