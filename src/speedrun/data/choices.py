@@ -36,8 +36,19 @@ MIN_STEPS_PER_EPOCH = 4
 MIN_BATCH = 16
 
 
-def multiple_of_8(x: float) -> int:
-    return max(8, int(round(x / 8)) * 8)
+def nearest_multiple(x: float, k: int = 8) -> int:
+    """The multiple of ``k`` nearest to ``x``, at least ``k`` (image sizes)."""
+    return max(k, int(round(x / k)) * k)
+
+
+def small_image_size(median_side: int) -> int:
+    """Training size of small images: their median shorter side, a multiple of 8, at most 224."""
+    return min(224, nearest_multiple(median_side))
+
+
+def default_eval_crop(size: int) -> float:
+    """Centre crop fraction for evaluation: whole images up to 64 px, 0.875 above."""
+    return 1.0 if size <= 64 else 0.875
 
 
 @dataclass
@@ -71,8 +82,8 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
         preset = photo_recipe()
         # a section the photo recipe leaves out takes the defaults (None: removed), not the folder recipe's
         c.sections = {k: preset.get(k) for k in PHOTO_SECTIONS}
-        train = min(PHOTO_TRAIN_SIDE, multiple_of_8(0.8 * median_side))
-        evaluate = min(multiple_of_8(median_side), multiple_of_8(EVAL_OVER_TRAIN * train))
+        train = min(PHOTO_TRAIN_SIDE, nearest_multiple(0.8 * median_side))
+        evaluate = min(nearest_multiple(median_side), nearest_multiple(EVAL_OVER_TRAIN * train))
         data = preset["data"]
         for k in PHOTO_DATA_FIELDS:
             if k in data:
@@ -86,8 +97,8 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
                          + f", evaluated at {evaluate} px")
         batch = data.get("batch_size", batch_size)
     else:
-        size = min(224, multiple_of_8(median_side))
-        c.overrides += [f"data.image_size={size}", f"data.eval_crop={1.0 if size <= 64 else 0.875}"]
+        size = small_image_size(median_side)
+        c.overrides += [f"data.image_size={size}", f"data.eval_crop={default_eval_crop(size)}"]
         c.reasons.append(f"small images (median shorter side {median_side} px < {PHOTO_SIDE}): the speed net "
                          f"at {size} px")
         batch = batch_size

@@ -23,7 +23,7 @@ from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
 from .builtin import SPECS, ArrayDataset, load_dataset
 from .cache import open_cached, use_cache
-from .choices import choose
+from .choices import choose, default_eval_crop, small_image_size
 from .resident import ResidentData
 from .shard import Shard
 from .stream import StreamedData, sample_stats
@@ -73,11 +73,6 @@ class FolderSource:
         return self.val.labels
 
 
-def nearest_multiple(x: float, k: int = 8) -> int:
-    """The multiple of ``k`` nearest to ``x``, at least ``k`` (image sizes)."""
-    return max(k, int(round(x / k)) * k)
-
-
 def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                       user: list[str] | None = None) -> tuple[Recipe, list[str]]:
     """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
@@ -103,10 +98,10 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
     overrides = []
     size = d.image_size
     if not size:
-        size = min(224, nearest_multiple(median))
+        size = small_image_size(median)
         overrides.append(f"data.image_size={size}")
     if not d.eval_crop:
-        overrides.append(f"data.eval_crop={1.0 if size <= 64 else 0.875}")
+        overrides.append(f"data.eval_crop={default_eval_crop(size)}")
     if not overrides:
         return recipe, []
     return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=recipe.name), []

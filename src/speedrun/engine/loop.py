@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ..data.augment import BatchAugment
-from ..data.dataset import open_pipeline, nearest_multiple
+from ..data.choices import nearest_multiple
+from ..data.dataset import open_pipeline
 from ..data.shard import Shard
 from ..errors import DataError, RecipeError
 from ..models import build_model
