@@ -214,7 +214,8 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
     if getattr(source, "choices", None):
         say("from the data: " + "; ".join(source.choices))
     # resolved once the run's length is known: on a CPU, "auto" compiles only where that pays
-    runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)))
+    runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
+                              recipe.model.norm.fp32)
     for choice in runtime.choices:
         say(choice)
     try:

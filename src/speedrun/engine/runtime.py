@@ -142,13 +142,20 @@ on a 2-core Zen 4 (benchmarks/results/step-structure-amd-epyc-25-17.json) a ResN
 compile cache: even after about 690 steps."""
 
 
-def auto_cpu_compile(model: str | None, precision: str, steps: int | None) -> tuple[bool, str]:
+def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
+                     norm_fp32: bool = True) -> tuple[bool, str]:
     """(compile?, why) for ``runtime.compile = "auto"`` on a CPU, from measurements on 2-core
     AMD EPYCs (step_structure.py records): the speed nets run no faster compiled (bf16 on a
     Zen 4: 2-2.5% slower per step, for 40-45 s of compilation; fp32 on a Zen 3: 4-8% slower),
-    so they stay eager; a ResNet in bf16 runs 22% faster compiled, which pays for its
-    compilation in a run of at least :data:`CPU_COMPILE_MIN_STEPS` steps. fp32 ResNets gain 6%
-    on a Zen 4 and lose 8% on a Zen 3: eager."""
+    so they stay eager; a ResNet in bf16 with its batch norm in fp32 (``model.norm.fp32``)
+    runs 22% faster compiled, which pays for its compilation in a run of at least
+    :data:`CPU_COMPILE_MIN_STEPS` steps. With its batch norm in bf16 the eager ResNet is the
+    faster (ResNet-18D at 128 px on a Zen 4: 1.91 s a step eager against 2.79 s compiled, and
+    29% faster than eager with fp32 batch norm; imagenette-tuning record): eager. fp32 ResNets
+    gain 6% on a Zen 4 and lose 8% on a Zen 3: eager."""
+    if model == "resnet" and precision == "bf16" and not norm_fp32:
+        return False, ("compile off: a ResNet in bf16 with its batch norm in bf16 runs faster eager on a CPU "
+                       "(ResNet-18D: 1.91 s a step eager, 2.79 s compiled, on a Zen 4)")
     if model == "resnet" and precision == "bf16" and steps is not None and steps >= CPU_COMPILE_MIN_STEPS:
         return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled 22% faster per step on a "
                       f"Zen 4; pays for its compilation after about 700 steps)")
@@ -180,13 +187,14 @@ def pick_device(requested: str | None) -> torch.device:
 
 
 def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None = None,
-                    steps: int | None = None) -> Runtime:
+                    steps: int | None = None, norm_fp32: bool = True) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
     CUDA: bf16 autocast on compute capability 8.0 and later, fp16 with loss scaling before it
     (:func:`auto_cuda_precision`), compiled. CPU: bf16 autocast where the CPU has bf16
     units, else fp32 (:func:`auto_cpu_precision`); compiled only where the measurements say
-    it pays for a run of ``steps`` steps of a ``model`` net (:func:`auto_cpu_compile`; without
+    it pays for a run of ``steps`` steps of a ``model`` net with its batch norm in fp32 or not
+    (``norm_fp32``, :func:`auto_cpu_compile`; without
     them, eager), and never without a C++ compiler for inductor (eager, saying so).
     channels_last is the recipe's choice (default on: measured 1.6x faster than NCHW for the
     speed net on a 2-core AVX-512 CPU, and what tensor cores want)."""
@@ -206,7 +214,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
     if cfg.compile == "auto" and not cuda:
-        compile_, why = auto_cpu_compile(model, precision, steps)
+        compile_, why = auto_cpu_compile(model, precision, steps, norm_fp32)
         if model is not None:
             choices.append(why)
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
