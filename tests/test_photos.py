@@ -85,6 +85,10 @@ def test_when_the_cache_is_used():
     assert not use_cache("auto", "translate", 1.0, 1000, 3, 32)[0]
     assert not use_cache("auto", "random_resized", 0.875, 1000, 3, 224)[0]       # centre crops: streamed
     assert use_cache("on", "translate", 0.875, 1000, 3, 32)[0] and not use_cache("off", "random_resized", 1.0, 10, 3, 8)[0]
+    # asked for, the cache is used with centre crops too, and the start line says what that means
+    on, why = use_cache("on", "random_resized", 0.875, 1000, 3, 224)
+    assert on and "data.eval_crop=0.875 does not apply" in why
+    assert "eval_crop" not in use_cache("on", "random_resized", 1.0, 1000, 3, 224)[1]
 
 
 def test_random_resized_crops_are_cut_from_the_stored_images_at_the_training_size():

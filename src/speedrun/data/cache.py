@@ -57,7 +57,9 @@ def use_cache(setting: str, crop: str, eval_crop: float, n_images: int, channels
     cache holds centre squares) whose cache takes at most half the memory."""
     need = cache_bytes(n_images, channels, size)
     if setting == "on":
-        return True, f"decoded once at {size} px (data.cache=on)"
+        crops = (f"; evaluated on whole centre squares: data.eval_crop={eval_crop:g} does not apply to a cache"
+                 if eval_crop != 1.0 else "")
+        return True, f"decoded once at {size} px (data.cache=on{crops})"
     if setting == "off":
         return False, "streamed (data.cache=off)"
     if crop != "random_resized":
