@@ -22,6 +22,20 @@ from speedrun.report.environment import environment
 from speedrun.files import atomic_write_json
 
 
+def timed_train(cmd: list[str], env: dict, folder: Path, cwd: Path | None = None):
+    """Run one ``speedrun train ... --out folder`` process; (its completed process, wall seconds
+    from interpreter start to exit, summary.json, metrics.jsonl rows). The record is read only
+    when the process succeeded (else summary and metrics are None)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        return proc, wall, None, None
+    summary = json.loads((folder / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return proc, wall, summary, metrics
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe")
@@ -47,14 +61,10 @@ def main() -> int:
             if args.cold_cache:
                 env["SPEEDRUN_CACHE"] = str(Path(tmp) / f"cache{i}")
                 env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / f"inductor{i}")
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            wall = time.perf_counter() - t0
+            proc, wall, summary, metrics = timed_train(cmd, env, folder)
             if proc.returncode:
                 print(proc.stderr, file=sys.stderr)
                 return proc.returncode
-            summary = json.loads((folder / "summary.json").read_text())
-            metrics = [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
             runs.append({"process_wall_seconds": wall, "summary": summary, "metrics": metrics,
                          "stdout_head": proc.stdout.splitlines()[:8]})
             print(f"run {i}: test_acc {summary['test_acc']:.4f}, process wall {wall:.1f} s, "

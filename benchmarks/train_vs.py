@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from speedrun.files import atomic_write_json
 from speedrun.report.environment import environment
+from train_cli import timed_train
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -33,13 +32,9 @@ def one_run(tree: Path, recipe: str, extra: list[str], folder: Path, seed: int) 
     env["SPEEDRUN_CACHE"] = str(folder / "cache")                 # cold decode cache, as a first run
     env["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     cmd = [sys.executable, "-m", "speedrun", "train", recipe, "--seed", str(seed), "--out", str(folder / "run"), *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    wall = time.perf_counter() - t0
+    proc, wall, s, metrics = timed_train(cmd, env, folder / "run", cwd=tree)
     if proc.returncode:
         raise SystemExit(f"{tree}: speedrun train failed:\n{proc.stderr[-3000:]}")
-    s = json.loads((folder / "run" / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     ends = [m["seconds"] for m in metrics if "seconds" in m]
     return {"process_wall_seconds": wall, "train_seconds": s["train_seconds"],
             "final_eval_seconds": s["final_eval_seconds"], "test_acc": s["test_acc"],
