@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from speedrun.data.colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS, color_jitter, lighting,
                                   sample_jitter, sample_lighting)
 from speedrun.data.mixing import mix_batch, mixed_loss, mixed_targets
-from speedrun.data.resized_crop import random_resized_crop, sample_rrc_boxes
+from speedrun.data.resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
 
 MEAN3, STD3 = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
 MEAN1, STD1 = torch.tensor([0.29]), torch.tensor([0.35])
@@ -57,6 +57,22 @@ def test_rrc_halving_each_box_averages_2x2_blocks_of_it():
     out = random_resized_crop(x, boxes, (4, 4))
     for i, (t, l, h, w) in enumerate(boxes.tolist()):
         assert torch.allclose(out[i], F.avg_pool2d(x[i, :, t:t + h, l:l + w], 2), atol=1e-5)
+
+
+def test_rrc_shrinking_three_times_reads_one_pixel_in_nine_unless_supersampled():
+    x = torch.randn(2, 3, 24, 24)
+    whole = torch.tensor([[0, 0, 24, 24]] * 2)
+    # plain bilinear sampling: each output pixel is the input pixel at its centre (aliasing)
+    assert torch.allclose(random_resized_crop(x, whole, (8, 8)), x[:, :, 1::3, 1::3], atol=1e-5)
+    # supersampled 3 x 3: each output pixel is the mean of its 3 x 3 footprint (an area filter)
+    assert torch.allclose(random_resized_crop(x, whole, (8, 8), supersample=3), F.avg_pool2d(x, 3), atol=1e-5)
+
+
+def test_supersampling_follows_the_shrink_of_the_stored_images():
+    assert supersampling(224, 128, True) == 2 and supersampling(224, 96, True) == 2
+    assert supersampling(160, 128, True) == 1 and supersampling(160, 96, True) == 2
+    assert supersampling(512, 32, True) == 4                       # at most 4 x 4 samples a pixel
+    assert supersampling(224, 96, False) == 1                      # off: plain bilinear sampling
 
 
 def test_rrc_in_bf16_keeps_the_dtype_and_the_geometry():

@@ -5,7 +5,7 @@ import json
 import os
 
 import numpy as np
-
+import pytest
 import torch
 
 from speedrun.data.builtin import ArrayDataset
@@ -15,6 +15,7 @@ from speedrun.data.dataset import open_source
 from speedrun.data.folder import folder_splits
 from speedrun.data.augment import BatchAugment
 from speedrun.data.resident import ResidentData
+from speedrun.errors import RecipeError
 from speedrun.recipe import load_recipe
 
 from test_cli import speedrun
@@ -76,6 +77,31 @@ def test_the_cache_is_made_once_and_made_again_when_a_file_changes(imagenet224, 
     assert changed.cache["cache_made_now"] and changed.cache["cache"] != first.cache["cache"]
     train, val = folder_splits(folder, 0.0, 0)
     assert cache_key(train, val, 40, 3, "auto", False) != cache_key(train, val, 48, 3, "auto", False)
+
+
+def test_a_cache_stored_larger_than_the_evaluation_size(imagenet224, tmp_path):
+    """data.cache_size keeps more pixels for the random-resized crops; the evaluation images
+    are resized to data.eval_size as the cache is opened, as they would have been decoded."""
+    sets = ["data.eval_size=40", "data.image_size=32", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1"]
+    _, at_eval = open_source(load_recipe("imagenette", sets), imagenet224)
+    _, larger = open_source(load_recipe("imagenette", sets + ["data.cache_size=64"]), imagenet224)
+    assert larger.stored_size == (64, 64) and larger.eval_size == (40, 40) and larger.image_size == (32, 32)
+    assert larger.cache["cache_size"] == 64 and larger.cache["eval_size"] == 40
+    assert at_eval.stored_size == (40, 40) and at_eval.cache["cache_size"] == 40
+    # the same test images, through another route to 40 px: within a grey level or two on average
+    gap = (larger.test_x.float() - at_eval.test_x.float()).abs().mean().item()
+    assert larger.test_x.dtype == torch.uint8 and gap < 3.0, gap
+    # crops are drawn inside the 64 px images and come out at the training size
+    data = ResidentData(larger, torch.device("cpu"), torch.float32, torch.contiguous_format)
+    augment = BatchAugment(load_recipe("imagenette").augment, data.n_train, data.image_size, torch.Generator().manual_seed(0),
+                           torch.device("cpu"), data.mean, data.std, input_size=data.stored_size)
+    x, _ = next(data.epoch(0, 16, augment, torch.Generator().manual_seed(0)))
+    assert x.shape == (16, 3, 32, 32)
+    # smaller than what it must give: refused naming the field, nothing decoded
+    caches = sorted((tmp_path / "cache").iterdir())
+    with pytest.raises(RecipeError, match=r"data.cache_size=36 .* at least 40 px"):
+        open_source(load_recipe("imagenette", sets + ["data.cache_size=36"]), imagenet224)
+    assert sorted((tmp_path / "cache").iterdir()) == caches
 
 
 def test_when_the_cache_is_used():

@@ -53,6 +53,11 @@ class DataConfig(Section):
         "auto", description="folder: decode once to a memory-mapped uint8 cache at data.eval_size and train "
         "from memory (random-resized crops cut on the device; evaluation on whole centre squares); auto = on "
         "for random-resized-crop recipes with data.eval_crop = 1 when the cache fits in half the memory")
+    cache_size: int = Field(0, ge=0, description="folder, decoded once: the side of the cached training images "
+                            "(shorter side resized, centre square), at least the evaluation and training sizes; "
+                            "larger keeps random-resized crops sharp (cut from more pixels) for more memory; the "
+                            "evaluation images are resized to data.eval_size as the cache is opened; 0 = the "
+                            "evaluation size")
     cache_dir: str | None = Field(None, description="folder of decoded caches; default $SPEEDRUN_CACHE, else "
                                   "~/.cache/speedrun")
     eval_crop: float = Field(0.0, ge=0, le=1, description="streamed eval: centre crop fraction; 0 = 0.875, "
@@ -85,6 +90,9 @@ class AugmentConfig(Section):
     translate: int = Field(0, ge=0, le=16, description="random-crop shift in pixels (reflect padding)")
     rrc_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     rrc_ratio: tuple[float, float] = Field((0.75, 4 / 3), description="random-resized-crop aspect range")
+    rrc_antialias: bool = Field(False, description="random-resized crops cut on the device from images stored "
+                                "about 1.5 times or more their size are area-filtered (a supersampled grid), as "
+                                "an antialiased resize would be; streamed crops always are")
     cutout: int = Field(0, ge=0, description="side of the square cut out of each image; 0 = off")
     color_jitter: float = Field(0.0, ge=0, lt=1, description="brightness, contrast, saturation factors in 1 +- this")
     lighting: float = Field(0.0, ge=0, description="std of AlexNet-style PCA lighting noise; 0 = off")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .colour import IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, sample_jitter, sample_lighting
-from .resized_crop import random_resized_crop, sample_rrc_boxes
+from .resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
 
 
 def reflect_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -113,7 +113,9 @@ class BatchAugment:
             t = self.translate
             x = crop(x, r["top"][idx], r["left"][idx], (x.shape[2] - 2 * t, x.shape[3] - 2 * t))
         if "boxes" in r:
-            x = random_resized_crop(x, r["boxes"][idx], (size, size) if size else self.size)
+            out = (size, size) if size else self.size
+            k = supersampling(self.input_size[0], out[0], self.cfg.rrc_antialias)
+            x = random_resized_crop(x, r["boxes"][idx], out, k)
         if "flip" in r:
             x = flip(x, r["flip"][idx])
         if "jitter" in r:

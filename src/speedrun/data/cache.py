@@ -19,6 +19,9 @@ import os
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from ..errors import DataError
 from .arrays import load_npz
 from .builtin import ArrayDataset
@@ -88,10 +91,22 @@ def cache_key(train: ImageList, val: ImageList, size: int, channels: int, decode
     return h.hexdigest()[:20]
 
 
+def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
+    """uint8 images (N, C, H, W) resized to ``size`` x ``size`` (antialiased bilinear, rounded),
+    a chunk at a time so that no float copy of the whole set is made."""
+    out = torch.empty(images.shape[0], images.shape[1], size, size, dtype=torch.uint8)
+    for i in range(0, images.shape[0], chunk):
+        x = F.interpolate(images[i:i + chunk].float(), size=(size, size), mode="bilinear", antialias=True,
+                          align_corners=False)
+        out[i:i + chunk] = x.round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
 def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data, train_size: int,
-                say=print) -> tuple[ArrayDataset, dict]:
+                say=print, eval_size: int | None = None) -> tuple[ArrayDataset, dict]:
     """The folder decoded at ``size`` (made now if it is not cached), as an array dataset
-    trained at ``train_size``; and a description for the run's record."""
+    trained at ``train_size`` and evaluated at ``eval_size`` (the evaluation images are
+    resized to it here where the cache is larger); and a description for the run's record."""
     from .prepare import prepare
     root = cache_root(data.cache_dir)
     key = cache_key(train, val, size, channels, data.decoder, data.skip_corrupt)
@@ -120,8 +135,10 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
         raise DataError(f"{path}: a decoded cache whose classes differ from the folder's; delete it and run "
                         "again")
     ds.train_size = train_size if train_size and train_size < size else 0
+    if eval_size and eval_size < size:
+        ds.test_x = shrink(ds.test_x, eval_size)
     ds.name, ds.source = "folder", str(train.root)
-    description = {"cache": str(path), "cache_made_now": made, "cache_size": size,
+    description = {"cache": str(path), "cache_made_now": made, "cache_size": size, "eval_size": ds.eval_size[0],
                    "decode_seconds": round(seconds, 2) if made else None,
                    "decode_images_per_s": info.get("images_per_s"), "skipped_images": info.get("skipped", 0)}
     return ds, description

@@ -145,11 +145,16 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
         recipe, reasons = resolve_from_data(recipe, info, len(train), len(train.classes), user)
         d, channels = recipe.data, info["channels"]
         evaluate = d.eval_size or d.image_size
-        cached, why = use_cache(d.cache, recipe.augment.crop, d.eval_crop, len(train) + len(val), channels,
-                                max(evaluate, d.image_size))
+        smallest = max(evaluate, d.image_size)
+        if d.cache_size and d.cache_size < smallest:
+            raise RecipeError(f"data.cache_size={d.cache_size} is smaller than the images it must give: at least "
+                              f"{smallest} px (data.eval_size and data.image_size); raise it, or 0 for the "
+                              "evaluation size")
+        stored = max(d.cache_size, smallest)
+        cached, why = use_cache(d.cache, recipe.augment.crop, d.eval_crop, len(train) + len(val), channels, stored)
         if cached:                                  # stored at least as large as the training crops
-            evaluate = max(evaluate, d.image_size)
-            ds, ds.cache = open_cached(train, val, channels, evaluate, d, d.image_size, say or (lambda m: None))
+            ds, ds.cache = open_cached(train, val, channels, stored, d, d.image_size, say or (lambda m: None),
+                                       eval_size=smallest)
             ds.choices = reasons + [why]
             return recipe, ds
         mean, std = sample_stats(train, channels, d.image_size, d.decoder)

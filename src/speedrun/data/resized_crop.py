@@ -16,11 +16,24 @@ RRC_TRIES = 10
 """Candidate boxes drawn per image before falling back to a centre crop."""
 
 
-def random_resized_crop(x: torch.Tensor, boxes: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
+def supersampling(stored: int, out: int, antialias: bool) -> int:
+    """Sub-samples per output pixel side for crops cut from ``stored`` px images at ``out`` px:
+    with ``antialias``, the ratio of the two rounded (1 where the crops are not shrunk by about
+    1.5 times or more), at most 4; without, 1."""
+    return max(1, min(4, round(stored / out))) if antialias else 1
+
+
+def random_resized_crop(x: torch.Tensor, boxes: torch.Tensor, out_size: tuple[int, int],
+                        supersample: int = 1) -> torch.Tensor:
     """Resample box i = (top, left, height, width), in input pixels, of image i to ``out_size``.
 
     One affine grid for the whole batch, sampled bilinearly. The grid is built and sampled
-    in fp32: in bf16 its coordinates would be off by up to half a pixel on a 224 px image."""
+    in fp32: in bf16 its coordinates would be off by up to half a pixel on a 224 px image.
+
+    ``supersample`` k > 1 samples a grid k times finer and averages each k x k block: each
+    output pixel becomes the mean of k x k bilinear samples spread over its footprint, an area
+    filter that keeps a crop shrunk by up to about k times free of aliasing (bilinear sampling
+    alone reads only the four pixels nearest each output pixel's centre)."""
     n, c, h, w = x.shape
     top, left, bh, bw = boxes.to(x.device, torch.float32).unbind(1)
     theta = torch.zeros(n, 2, 3, device=x.device)
@@ -30,8 +43,11 @@ def random_resized_crop(x: torch.Tensor, boxes: torch.Tensor, out_size: tuple[in
     theta[:, 0, 2] = (2 * left + bw) / w - 1
     theta[:, 1, 1] = bh / h
     theta[:, 1, 2] = (2 * top + bh) / h - 1
-    grid = F.affine_grid(theta, [n, c, *out_size], align_corners=False)
+    k = supersample
+    grid = F.affine_grid(theta, [n, c, out_size[0] * k, out_size[1] * k], align_corners=False)
     out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    if k > 1:
+        out = F.avg_pool2d(out, k)
     return out.to(x.dtype)
 
 
