@@ -328,6 +328,9 @@ class RuntimeConfig(Section):
         "max-autotune also searches kernel configurations")
     channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
+    hold_memory: Literal["auto", "on", "off"] = Field(
+        "auto", description="keep freed memory in the process (glibc: large blocks from the heap, no trimming) so "
+        "that each step reuses its pages instead of faulting fresh ones in; auto = on for CPU devices under glibc")
 
 
 class Recipe(Section):

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .. import compat
+from . import memory
 from ..errors import RecipeError
 from ..recipe import RuntimeConfig
 
@@ -57,6 +58,7 @@ class Runtime:
     compile_mode: str = "default"
     compile_backend: str = "inductor"
     choices: tuple[str, ...] = ()          # why each "auto" became what it is (said at start, recorded)
+    hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,7 +87,10 @@ class Runtime:
 
     def activate(self) -> None:
         """Process-wide settings this runtime needs: cuDNN autotuning on CUDA (the convolution
-        shapes of a run never change, so the first-call search pays back), and dynamo's limits."""
+        shapes of a run never change, so the first-call search pays back), freed memory kept
+        in the process where ``hold_memory`` (engine/memory.py), and dynamo's limits."""
+        if self.hold_memory:
+            memory.hold_freed_memory()
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         if self.compile:
@@ -104,6 +109,7 @@ class Runtime:
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
+                "hold_memory": self.hold_memory,
                 "runtime_choices": list(self.choices)}
 
 
@@ -224,7 +230,9 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         compile_ = False
         choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
                        "eager (install one, e.g. Debian's g++, to compile)")
-    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices))
+    hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library())
+    choices.append(why)
+    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold)
 
 
 # ------------------------------------------------------------------------------------------
