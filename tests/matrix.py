@@ -104,7 +104,8 @@ FIELDS: list[Entry] = [
     Entry("folder", "imagenet224", ("model={name='resnet', depth=18, stem='imagenet', variant='d', width=16, "
                                     "zero_gamma=true}", "data.image_size=32", "data.eval_size=40", "train.epochs=4",
                                     "data.workers=1", "eval.batch_size=128", "data.batch_size=32", "optim.lr=4.0",
-                                    "data.cache_dir={tmp}/cache")),
+                                    "data.cache_dir={tmp}/cache", "data.cache_size=64",
+                                    "augment.rrc_antialias=true")),
     # streamed translation with progressive resizing (16 px, then 32 px crops of the 32 px images)
     Entry("folder", "jpeg32", tuple(FOLDER[:3] + FOLDER[4:] + ["train.epochs=4", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]",
                                                               "augment.cutout=8"])),
@@ -127,7 +128,7 @@ FIELDS: list[Entry] = [
     Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + [
         "optim.name=lars", "optim.lr=20.0", "optim.trust_coefficient=0.002", "optim.lr_scaling=none",
         "schedule={kind='cosine', warmup_epochs=0.25, warmup_start=0.1, end=0.05}", "model.activation=relu",
-        "runtime.find_batch=true"])),
+        "runtime.find_batch=true", "runtime.hold_memory=off"])),
     # a polynomial schedule with a floor
     Entry("imagenet-resnet50-lars", "tiny_npz32", tuple(NPZ + LARS + ["schedule={kind='poly', warmup_epochs=0.2, "
                                                                  "power=1.5, end=0.01}"])),

@@ -75,6 +75,7 @@ def test_datasheet_peaks_match_whole_model_names(name, bf16, fp16):
     ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True),
     ("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
      "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)", True),
+    ("could not create a primitive", True),                       # oneDNN's scratch memory on a CPU
     ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
      False),
     ("CUDA error: an illegal memory access was encountered", False),

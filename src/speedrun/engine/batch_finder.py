@@ -14,6 +14,7 @@ from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
 
 
 OUT_OF_MEMORY_TEXTS = ("can't allocate memory",          # the CPU allocator
+                       "could not create a primitive",    # oneDNN (CPU convolutions) when its buffers fail
                        "cuda out of memory",              # the caching allocator's text, re-raised as RuntimeError
                        "cuda error: out of memory",       # a kernel launch or cudaMalloc outside the caching allocator
                        "cublas_status_alloc_failed",      # cuBLAS's workspace
@@ -21,7 +22,10 @@ OUT_OF_MEMORY_TEXTS = ("can't allocate memory",          # the CPU allocator
                        "cufft_alloc_failed", "cusolver_status_alloc_failed")
 """Texts of out-of-memory errors that do not arrive as torch.OutOfMemoryError: the libraries
 CUDA kernels call allocate their own workspaces and report failure in their own words.
-(``CUDNN_STATUS_NOT_SUPPORTED`` and ``CUDNN_STATUS_EXECUTION_FAILED`` are not memory.)"""
+(``CUDNN_STATUS_NOT_SUPPORTED`` and ``CUDNN_STATUS_EXECUTION_FAILED`` are not memory.)
+oneDNN says "could not create a primitive" whatever failed; for shapes that ran before or run
+at a smaller batch that is its scratch memory. With freed memory held in the process
+(``runtime.hold_memory``) it is often the first allocation to fail under an address-space limit."""
 
 
 def is_out_of_memory(err: BaseException) -> bool:

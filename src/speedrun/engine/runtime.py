@@ -85,11 +85,13 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def activate(self) -> None:
+    def activate(self, hold_memory: bool = True) -> None:
         """Process-wide settings this runtime needs: cuDNN autotuning on CUDA (the convolution
         shapes of a run never change, so the first-call search pays back), freed memory kept
-        in the process where ``hold_memory`` (engine/memory.py), and dynamo's limits."""
-        if self.hold_memory:
+        in the process where ``hold_memory`` (engine/memory.py; not while ``hold_memory`` is
+        False here: the batch finder's probes run with glibc's defaults, so that the memory a
+        failed probe held is handed back before the next, smaller one), and dynamo's limits."""
+        if self.hold_memory and hold_memory:
             memory.hold_freed_memory()
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
