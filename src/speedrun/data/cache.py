@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import DataError
 from .arrays import load_npz
 from .builtin import ArrayDataset
+from .resident import resize
 from .folder import ImageList
 
 CACHE_VERSION = 1
@@ -92,13 +92,12 @@ def cache_key(train: ImageList, val: ImageList, size: int, channels: int, decode
 
 
 def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
-    """uint8 images (N, C, H, W) resized to ``size`` x ``size`` (antialiased bilinear, rounded),
-    a chunk at a time so that no float copy of the whole set is made."""
+    """uint8 images (N, C, H, W) resized to ``size`` x ``size`` (the resident path's
+    antialiased bilinear :func:`~speedrun.data.resident.resize`, rounded to uint8), a chunk at
+    a time so that no float copy of the whole set is made."""
     out = torch.empty(images.shape[0], images.shape[1], size, size, dtype=torch.uint8)
     for i in range(0, images.shape[0], chunk):
-        x = F.interpolate(images[i:i + chunk].float(), size=(size, size), mode="bilinear", antialias=True,
-                          align_corners=False)
-        out[i:i + chunk] = x.round_().clamp_(0, 255).to(torch.uint8)
+        out[i:i + chunk] = resize(images[i:i + chunk].float(), size).round_().clamp_(0, 255).to(torch.uint8)
     return out
 
 

@@ -4,11 +4,12 @@ glibc's malloc serves every block of 32 MiB or more (the most its adaptive thres
 with a fresh ``mmap`` and hands it back with ``munmap`` when it is freed. A training step on
 a CPU allocates and frees activations of that size dozens of times, so every step the kernel
 maps them anew and faults in and zeroes each 4 KiB page on first touch: a `speedrun flops
-cifar10-94` process made 8.7 million minor page faults in 24 s, and 0.53 million with freed
-memory kept (benchmarks/results/hold-memory-*.json). Two ``mallopt`` settings keep it:
+cifar10-94 --steps 6` process made 9.3 million minor page faults, and 0.5 million with freed
+memory kept (medians of three: benchmarks/results/hold-memory-flops-cifar10-94-intel-xeon-6-167.json). Two ``mallopt`` settings keep it:
 ``M_MMAP_MAX = 0`` (large blocks come from the heap, whose freed pages are reused) and a
 ``M_TRIM_THRESHOLD`` that is never reached (the heap's top is not handed back). The cost is
-memory that stays with the process after its peak (the peak itself does not grow).
+memory that stays with the process after its peak, and a somewhat higher peak where freed
+blocks cannot be reused whole (2.11 GiB against 2.02 in that record).
 
 The same settings can be given to any program as the environment variables
 ``MALLOC_MMAP_MAX_=0`` and ``MALLOC_TRIM_THRESHOLD_=<bytes>``; speedrun sets them itself, at
