@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from speedrun.data.colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS, color_jitter, lighting,
-                                  sample_jitter, sample_lighting)
+                                  sample_jitter, sample_lighting, sample_shift_and_scale, shift_and_scale)
 from speedrun.data.mixing import mix_batch, mixed_loss, mixed_targets
 from speedrun.data.resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
 
@@ -163,6 +163,40 @@ def test_jittered_pixels_stay_in_range(dtype):
     assert float(p.max()) > 0.999                                          # bright images clipped
 
 
+def test_shift_and_scale_moves_each_image_by_its_own_amounts():
+    x = torch.randn(3, 3, 5, 5, generator=gen(1))
+    shift, scale = torch.tensor([0.0, 0.5, -0.2]), torch.tensor([1.0, 1.0, 0.8])
+    out = shift_and_scale(x, shift, scale)
+    assert torch.equal(out[0], x[0])                                       # (0, 1) is the identity
+    assert torch.allclose(out[1], x[1] + 0.5)                              # every channel, no clipping
+    assert torch.allclose(out[2], (x[2] - 0.2) * 0.8)
+    assert shift_and_scale(x.bfloat16(), shift, scale).dtype == torch.bfloat16
+
+
+def test_shift_and_scale_factors_fill_their_ranges():
+    f = sample_shift_and_scale(20000, 0.14, 0.13, gen(0), CPU)
+    assert f.shape == (20000, 2)
+    shift, scale = f.unbind(1)
+    assert float(shift.abs().max()) <= 0.14 and float(shift.abs().max()) > 0.139
+    assert float((scale - 1).abs().max()) <= 0.13 and float((scale - 1).abs().max()) > 0.129
+    assert abs(float(shift.mean())) < 0.005 and abs(float(scale.mean()) - 1) < 0.005
+    assert torch.equal(sample_shift_and_scale(5, 0.1, 0.1, gen(3), CPU), sample_shift_and_scale(5, 0.1, 0.1, gen(3), CPU))
+
+
+def test_batch_augment_applies_the_shift_and_scale_it_drew():
+    from speedrun.data.augment import BatchAugment
+    from speedrun.recipe import AugmentConfig
+    cfg = AugmentConfig(flip="none", brightness=0.3, contrast=0.2)
+    aug = BatchAugment(cfg, 6, (4, 4), gen(0), CPU, MEAN3 * 255, STD3 * 255)
+    r = aug.draw(0)
+    assert set(r) == {"shift_scale"}
+    x, idx = torch.randn(3, 3, 4, 4), torch.tensor([5, 0, 2])
+    shift, scale = r["shift_scale"][idx].unbind(1)
+    assert torch.allclose(aug(x, idx, r), (x + shift[:, None, None, None]) * scale[:, None, None, None])
+    assert not torch.equal(aug(x, idx, r), x)
+    assert "shift_scale" not in BatchAugment(AugmentConfig(), 6, (4, 4), gen(0), CPU).draw(0)
+
+
 def test_lighting_adds_a_constant_colour_along_the_eigenvectors():
     x = torch.randn(5, 3, 4, 4)
     alpha = sample_lighting(5, 0.1, gen(0), CPU)
@@ -274,6 +308,8 @@ def test_no_function_reads_tensors_back_to_the_host(monkeypatch):
         (random_resized_crop, x, boxes, (6, 6)),
         (sample_jitter, 4, 0.4, g, CPU),
         (color_jitter, x, *f, MEAN3, STD3),
+        (sample_shift_and_scale, 4, 0.1, 0.1, g, CPU),
+        (shift_and_scale, x, torch.zeros(4), torch.ones(4)),
         (sample_lighting, 4, 0.1, g, CPU),
         (lighting, x, torch.randn(4, 3), IMAGENET_EIGVAL, IMAGENET_EIGVEC, STD3),
         (mix_batch, x, y, 1.0, 0.0, 1.0, np.random.default_rng(0)),

@@ -95,6 +95,10 @@ class AugmentConfig(Section):
                                 "an antialiased resize would be; streamed crops always are")
     cutout: int = Field(0, ge=0, description="side of the square cut out of each image; 0 = off")
     color_jitter: float = Field(0.0, ge=0, lt=1, description="brightness, contrast, saturation factors in 1 +- this")
+    brightness: float = Field(0.0, ge=0, le=2, description="normalised pixels shifted by a per-image amount "
+                              "uniform in +- this (units of the channel std); 0 = off")
+    contrast: float = Field(0.0, ge=0, lt=1, description="normalised pixels scaled by a per-image factor uniform "
+                            "in 1 +- this, about the data set's mean colour; 0 = off")
     lighting: float = Field(0.0, ge=0, description="std of AlexNet-style PCA lighting noise; 0 = off")
     mixup: float = Field(0.0, ge=0, description="mixup Beta(alpha, alpha); 0 = off")
     cutmix: float = Field(0.0, ge=0, description="CutMix Beta(alpha, alpha); 0 = off")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .colour import IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, sample_jitter, sample_lighting
+from .colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, color_jitter, lighting, sample_jitter, sample_lighting,
+                     sample_shift_and_scale, shift_and_scale)
 from .resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
 
 
@@ -54,7 +55,8 @@ def cutout(x: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) ->
 
 class BatchAugment:
     """Draws the random numbers for one epoch at once and applies the recipe's batched
-    augmentations: crop (translate or random-resized), flip, cutout, colour jitter, lighting.
+    augmentations: crop (translate or random-resized), flip, cutout, colour jitter, brightness
+    shift and contrast scale, lighting.
 
     For ``crop = "translate"`` the images handed to :meth:`__call__` are already
     reflect-padded by ``translate`` pixels, so a random crop is a random translation; the
@@ -101,6 +103,8 @@ class BatchAugment:
             r["cut_x"] = torch.rand(self.n, generator=self.gen, device=self.device)
         if cfg.color_jitter:
             r["jitter"] = sample_jitter(self.n, cfg.color_jitter, self.gen, self.device).T   # (N, 3)
+        if cfg.brightness or cfg.contrast:
+            r["shift_scale"] = sample_shift_and_scale(self.n, cfg.brightness, cfg.contrast, self.gen, self.device)
         if cfg.lighting:
             r["lighting"] = sample_lighting(self.n, cfg.lighting, self.gen, self.device)
         return r
@@ -121,6 +125,9 @@ class BatchAugment:
         if "jitter" in r:
             b, c, s = r["jitter"][idx].unbind(1)
             x = color_jitter(x, b, c, s, self.mean, self.std)
+        if "shift_scale" in r:
+            shift, scale = r["shift_scale"][idx].unbind(1)
+            x = shift_and_scale(x, shift, scale)
         if "lighting" in r:
             x = lighting(x, r["lighting"][idx], IMAGENET_EIGVAL, IMAGENET_EIGVEC, self.std)
         if "cut_y" in r:

@@ -1,5 +1,6 @@
-"""Colour augmentations on whole batches on the device: brightness/contrast/saturation jitter
-and AlexNet-style PCA lighting noise. Images are normalised (N, C, H, W) tensors; each
+"""Colour augmentations on whole batches on the device: brightness/contrast/saturation jitter,
+a cheaper brightness shift and contrast scale of the normalised pixels, and AlexNet-style PCA
+lighting noise. Images are normalised (N, C, H, W) tensors; each
 operation is a pure function of the images and the per-image factors it is handed."""
 from __future__ import annotations
 
@@ -54,6 +55,24 @@ def sample_jitter(n: int, strength: float, generator: torch.Generator, device: t
     """(3, N) factors uniform in [1 - strength, 1 + strength]: brightness, contrast, saturation
     rows, to be unpacked into :func:`color_jitter`."""
     return 1 + strength * (2 * torch.rand(3, n, generator=generator, device=device) - 1)
+
+
+def shift_and_scale(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(x + shift[i]) * scale[i]`` for image i: a brightness change added to and a contrast
+    change multiplying the normalised pixels, the same for every channel, with no clipping.
+
+    Cheaper than :func:`color_jitter` (two per-image numbers, one fused multiply-add, no
+    round trip through the 0..1 scale) and centred on the data set's mean colour rather than
+    each image's grey; the 2025 CIFAR-10 record trained with such a jitter (brightness about
+    +-0.14, contrast about +-0.13 in these units)."""
+    return (x + _per_image(shift, x)) * _per_image(scale, x)
+
+
+def sample_shift_and_scale(n: int, brightness: float, contrast: float, generator: torch.Generator,
+                           device: torch.device) -> torch.Tensor:
+    """(N, 2) rows of (shift uniform in +-brightness, scale uniform in 1 +- contrast)."""
+    u = 2 * torch.rand(n, 2, generator=generator, device=device) - 1
+    return u * torch.tensor([brightness, contrast], device=device) + torch.tensor([0.0, 1.0], device=device)
 
 
 def lighting(x: torch.Tensor, alpha: torch.Tensor, eigval: torch.Tensor, eigvec: torch.Tensor,
