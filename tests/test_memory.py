@@ -68,3 +68,26 @@ def test_the_runtime_records_its_choice():
     assert rt.hold_memory and rt.describe()["hold_memory"] is True
     assert any("freed memory kept" in c for c in rt.choices)
     assert not resolve_runtime(RuntimeConfig(hold_memory="off"), torch.device("cpu")).hold_memory
+
+
+ACTIVATE = """
+import json, torch
+from speedrun.engine.runtime import resolve_runtime
+from speedrun.recipe import RuntimeConfig
+rt = resolve_runtime(RuntimeConfig(), torch.device("cpu")).activate()
+print(json.dumps(rt.describe()))
+"""
+
+
+@pytest.mark.skipif(c_library() != "glibc", reason="mallopt is glibc's")
+def test_activate_returns_what_the_c_library_accepted(monkeypatch):
+    out = subprocess.run([sys.executable, "-c", ACTIVATE], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["hold_memory"] is True            # a real process: glibc accepted
+    # where mallopt refuses (not seen under glibc), the record says so instead of the decision
+    from speedrun.engine import memory
+    monkeypatch.setattr(memory, "hold_freed_memory", lambda: False)
+    rt = resolve_runtime(RuntimeConfig(), torch.device("cpu"))
+    after = rt.activate()
+    assert rt.hold_memory and not after.hold_memory and after.describe()["hold_memory"] is False
+    assert "glibc refused" in after.choices[-1] and after.choices[:-1] == rt.choices
+    assert rt.activate(hold_memory=False) is rt                      # probes: nothing asked, nothing changed

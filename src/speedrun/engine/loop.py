@@ -245,8 +245,8 @@ class Session:
 
     def __init__(self, recipe: Recipe, source, runtime: Runtime, warm_up: bool = False,
                  world: World = World(), probe_only: bool = False):
+        runtime = runtime.activate(hold_memory=not probe_only)
         self.recipe, self.source, self.runtime, self.world = recipe, source, runtime, world
-        runtime.activate(hold_memory=not probe_only)
         self.model, self.forward = self._build(recipe.train.seed)
         self.teacher = load_teacher(recipe.distill.teacher, runtime, source.in_channels,
                                     source.num_classes) if recipe.distill.teacher else None

@@ -8,7 +8,7 @@ import contextlib
 import os
 import platform
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -85,19 +85,26 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def activate(self, hold_memory: bool = True) -> None:
+    def activate(self, hold_memory: bool = True) -> "Runtime":
         """Process-wide settings this runtime needs: cuDNN autotuning on CUDA (the convolution
         shapes of a run never change, so the first-call search pays back), freed memory kept
         in the process where ``hold_memory`` (engine/memory.py; not while ``hold_memory`` is
         False here: the batch finder's probes run with glibc's defaults, so that the memory a
-        failed probe held is handed back before the next, smaller one), and dynamo's limits."""
-        if self.hold_memory and hold_memory:
-            memory.hold_freed_memory()
+        failed probe held is handed back before the next, smaller one), and dynamo's limits.
+
+        Returns the runtime as it now is: where the C library refused to keep freed memory,
+        one whose ``hold_memory`` is False and whose choices say so, so that the record says
+        what happened rather than what was decided."""
+        runtime = self
+        if self.hold_memory and hold_memory and not memory.hold_freed_memory():
+            runtime = replace(self, hold_memory=False, choices=self.choices + (
+                "freed memory: glibc refused the mallopt settings, so its defaults stay (runtime.hold_memory)",))
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         if self.compile:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
+        return runtime
 
     def mark_step(self) -> None:
         """Before each training step under CUDA graphs: the previous step's outputs may be

@@ -123,7 +123,7 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = None) -> L
                           f"{recipe.data.dataset!r}; the folder mixes files of two runs")
     dev = device if isinstance(device, torch.device) else pick_device(device)
     runtime = resolve_runtime(recipe.runtime, dev)
-    runtime.activate()
+    runtime = runtime.activate()
     state = read_weights(folder / "model.pt")
     try:
         model = build_model(recipe.model, pre["channels"], len(pre["classes"]))
