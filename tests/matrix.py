@@ -106,13 +106,16 @@ FIELDS: list[Entry] = [
                                     "data.workers=1", "eval.batch_size=128", "data.batch_size=32", "optim.lr=4.0",
                                     "data.cache_dir={tmp}/cache", "data.cache_size=64",
                                     "augment.rrc_antialias=true")),
-    # streamed translation with progressive resizing (16 px, then 32 px crops of the 32 px images)
+    # streamed translation with progressive resizing (16 px, then 32 px crops of the 32 px images),
+    # cutout and the brightness shift and contrast scale
     Entry("folder", "jpeg32", tuple(FOLDER[:3] + FOLDER[4:] + ["train.epochs=4", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]",
-                                                              "augment.cutout=8"])),
+                                                              "augment.cutout=8", "augment.brightness=0.1",
+                                                              "augment.contrast=0.1"])),
     # speed-net and optimizer knobs, one-cycle with cycled momentum, accumulation, checkpoints
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + [
         "model.activation=celu", "model.celu_alpha=0.5", "model.norm.fp32=false", "optim.whiten_bias_lr_mult=2.0",
         "optim.filters=orthogonal", "optim.filter_momentum=0.5", "optim.ns_steps=4", "optim.filter_norm_every=2",
+        "optim.ns_precision=bf16",
         "optim.filter_weight_decay=0.01", "schedule={kind='onecycle', peak_at=0.4, start=0.1, end=0.01, "
         "momentum_low=0.8}", "train.accumulate=2", "train.seed=7", "eval.every=0", "runtime.channels_last=false",
         "checkpoint.every_steps=2", "model.whiten.padding=true", "model.whiten.negate=false",

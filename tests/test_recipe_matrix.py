@@ -85,6 +85,10 @@ def check_record(out, entry: Entry) -> dict:
     assert summary["precision"] == entry.precision and summary["compile"] == (entry.backend is not None)
     assert summary["compile_backend"] == entry.backend
     assert summary["recompiles"] == 0                           # the warm-up compiled every shape
+    # the Newton-Schulz products: none without orthogonal filters; else the field, or auto's run precision
+    ns = None if recipe.optim.filters != "orthogonal" else \
+        recipe.optim.ns_precision if recipe.optim.ns_precision != "auto" else entry.precision
+    assert summary["newton_schulz_dtype"] == ns
     # the run learned: better than chance by three standard errors of the accuracy on its test slice
     classes = len(json.loads((out / "preprocessing.json").read_text())["classes"])
     n, chance = summary["test_images"], 1 / classes

@@ -8,7 +8,7 @@ import torch.nn as nn
 from speedrun.engine.evaluate import tta_logits
 from speedrun.models import build_model
 from speedrun.optim import build_optimizer
-from speedrun.optim.orthogonal import OptimizerList, OrthogonalFilters, newton_schulz
+from speedrun.optim.orthogonal import OptimizerList, OrthogonalFilters, newton_schulz, ns_dtype
 from speedrun.recipe import OptimConfig, load_recipe
 
 from test_cli import speedrun
@@ -29,6 +29,47 @@ def test_newton_schulz_approximates_the_orthogonal_polar_factor():
     assert torch.allclose(tall, newton_schulz(g, 5).mT, atol=1e-5)
     batched = newton_schulz(g, 3)
     assert torch.allclose(batched[2], newton_schulz(g[2:3], 3)[0], atol=1e-6)
+
+
+def test_newton_schulz_in_bf16_orthogonalises_as_well_as_fp32():
+    """optim.ns_precision=bf16: the same band of singular values and direction as fp32, the
+    result handed back in the gradient's dtype."""
+    torch.manual_seed(0)
+    g = torch.randn(3, 128, 1152)
+    x32, x16 = newton_schulz(g, 3, dtype=torch.float32), newton_schulz(g, 3, dtype=torch.bfloat16)
+    assert x16.dtype == torch.float32 and not torch.equal(x16, x32)      # really computed in bf16
+    sv = torch.linalg.svdvals(x16)
+    assert sv.min() > 0.3 and sv.max() < 1.25
+    cos = (x16 * x32).sum((1, 2)) / (x16.norm(dim=(1, 2)) * x32.norm(dim=(1, 2)))
+    assert (cos > 0.99).all()
+
+
+@pytest.mark.parametrize("setting, device, precision, expected", [
+    ("auto", "cuda", "fp32", torch.bfloat16),       # the records' choice on GPUs, whatever the run's precision
+    ("auto", "cuda", "bf16", torch.bfloat16),
+    ("auto", "cpu", "bf16", torch.bfloat16),        # a CPU with native bf16 (precision auto picked bf16)
+    ("auto", "cpu", "fp32", torch.float32),         # a CPU without: bf16 products would be emulated
+    ("fp32", "cuda", "bf16", torch.float32),
+    ("bf16", "cpu", "fp32", torch.bfloat16),
+])
+def test_newton_schulz_dtype_decision(setting, device, precision, expected):
+    assert ns_dtype(setting, device, precision) == expected
+
+
+def test_optimizer_runs_newton_schulz_in_the_dtype_it_is_given():
+    torch.manual_seed(2)
+    conv = nn.Conv2d(16, 32, 3, bias=False)
+    steps = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = conv.weight.detach().clone().requires_grad_()
+        opt = OrthogonalFilters([w], lr=0.1, norm_every=0, ns_dtype=dtype)
+        w.grad = torch.randn_like(w, generator=torch.Generator().manual_seed(3))
+        before = w.detach().clone()
+        opt.step()
+        steps[dtype] = (w.detach() - before).flatten()
+        assert w.dtype == torch.float32
+    s32, s16 = steps[torch.float32], steps[torch.bfloat16]
+    assert not torch.equal(s32, s16) and float(s32 @ s16 / (s32.norm() * s16.norm())) > 0.99
 
 
 def test_orthogonal_filter_step_by_hand():

@@ -213,6 +213,9 @@ class OptimConfig(Section):
     filter_lr: float = Field(0.2, gt=0, description="orthogonal filters: per-step LR at schedule multiplier 1")
     filter_momentum: float = Field(0.6, ge=0, lt=1, description="orthogonal filters: Nesterov momentum")
     ns_steps: int = Field(3, ge=1, le=10, description="orthogonal filters: Newton-Schulz iterations")
+    ns_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="orthogonal filters: dtype of the Newton-Schulz products; auto = bf16 on CUDA and "
+        "where the run computes in bf16, else fp32")
     filter_norm_every: int = Field(1, ge=0, description="orthogonal filters: reset filter norms every N steps; 0 = never")
     filter_weight_decay: float = Field(0.0, ge=0, description="orthogonal filters: decoupled decay per ref_batch "
                                        "examples at peak, as optim.weight_decay; needs filter_norm_every != 1")

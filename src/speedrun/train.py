@@ -17,6 +17,7 @@ from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, TrainingStopped
 from .files import check_output_folder
+from .optim.orthogonal import ns_dtype
 from .recipe import Recipe, load_recipe, total_steps
 from .report import loggers
 from .report.console import TrainingProgress, print_table
@@ -62,6 +63,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "epochs": result.epochs,
         "steps": result.steps,
         "batch_size": recipe.data.batch_size,
+        "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
         "train_seconds": result.train_seconds,
         "train_seconds_region": TRAIN_SECONDS_REGION,
         "final_eval_seconds": result.final_eval_seconds,
@@ -81,6 +83,15 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         **session.runtime.describe(),
         **env,
     }
+
+
+def newton_schulz_dtype(recipe: Recipe, runtime) -> str | None:
+    """'bf16' or 'fp32' for a run with orthogonalised filter updates (optim.ns_precision as
+    resolved for this runtime), None without them."""
+    if recipe.optim.filters != "orthogonal":
+        return None
+    return "bf16" if ns_dtype(recipe.optim.ns_precision, runtime.device.type,
+                              runtime.precision) == torch.bfloat16 else "fp32"
 
 
 def preprocessing_of(recipe: Recipe, session: Session, result: RunResult) -> dict:
@@ -218,6 +229,9 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
                               recipe.model.norm.fp32)
     for choice in runtime.choices:
         say(choice)
+    if newton_schulz_dtype(recipe, runtime):
+        say(f"orthogonalised filter updates: Newton-Schulz products in {newton_schulz_dtype(recipe, runtime)} "
+            f"(optim.ns_precision={recipe.optim.ns_precision})")
     try:
         session, result = _train(recipe, source, runtime, record, resume, say, args, world)
         recipe = session.recipe

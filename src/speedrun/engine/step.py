@@ -39,6 +39,7 @@ from ..data.mixing import MixPlan, apply_mix, mixed_loss
 from ..errors import CheckpointError, RecipeError
 from ..models import build_model
 from ..optim import build_averager, build_optimizer, lr_multipliers, momenta
+from ..optim.orthogonal import ns_dtype
 from ..recipe import Recipe, load_recipe
 from .checkpoint import read_weights
 from .runtime import Runtime, compile_function
@@ -130,7 +131,8 @@ class TrainStep:
         self.r, self.rt, self.model, self.module, self.teacher = r, runtime, model, module, teacher
         self.no_sync, self.total, self.step_sizes = no_sync, total_steps, step_sizes
         self.k = r.train.accumulate
-        self.opt = build_optimizer(model, r.optim, r.data.batch_size)
+        self.opt = build_optimizer(model, r.optim, r.data.batch_size,
+                                   ns_dtype(r.optim.ns_precision, device.type, runtime.precision))
         self.averager = build_averager(model, r.averaging, total_steps)
         self.scaler = LossScale(device) if runtime.precision == "fp16" else None
         # the schedule, per step: on the host for logs, on the device for the step

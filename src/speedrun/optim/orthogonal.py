@@ -23,12 +23,27 @@ from .base import Optimizer, scaled
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)      # quintic iteration coefficients, Jordan et al. (2024)
 
 
-def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = 1e-7) -> torch.Tensor:
+def ns_dtype(setting: str, device_type: str, precision: str) -> torch.dtype:
+    """The dtype of the Newton-Schulz products for ``optim.ns_precision`` = ``setting``.
+
+    "auto": bf16 on CUDA (as the records run it) and wherever the run computes in bf16 (on a
+    CPU, ``runtime.precision`` "auto" picks bf16 only where the CPU has native bf16 units,
+    and there these products of up to 512 x 4608 matrices run about 4 times faster than in
+    fp32: docs/speed.md); fp32 otherwise. The iteration only needs a rough orthogonalisation
+    (its coefficients trade accuracy for speed), so bf16 loses nothing that matters."""
+    if setting == "bf16" or (setting == "auto" and (device_type == "cuda" or precision == "bf16")):
+        return torch.bfloat16
+    return torch.float32
+
+
+def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximately orthogonalise each matrix of a (batch, rows, cols) tensor: U S V^T -> ~U V^T.
 
-    Runs in bf16 on CUDA (as the records do) and fp32 elsewhere."""
+    The products run in ``dtype``; by default bf16 on CUDA (as the records do) and fp32
+    elsewhere (:func:`ns_dtype` decides for a run)."""
     a, b, c = coefficients
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
@@ -42,7 +57,8 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps
 class OrthogonalFilters(Optimizer):
     """Nesterov momentum, then batched Newton-Schulz orthogonalisation, for 4-D conv filters.
 
-    Per group: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``norm_every`` (renormalise
+    ``ns_dtype``: the dtype of the Newton-Schulz products (None: :func:`newton_schulz`'s
+    default). Per group: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``norm_every`` (renormalise
     each filter bank to Frobenius norm sqrt(out channels) every this many steps; 0 = never;
     decided on the device from the group's step counter) and ``weight_decay`` (coupled to the
     LR as in torch's SGD: each step removes lr * weight_decay of each weight)."""
@@ -51,10 +67,11 @@ class OrthogonalFilters(Optimizer):
     counters = ("steps_taken",)
 
     def __init__(self, params, lr: float, momentum: float = 0.6, nesterov: bool = True, ns_steps: int = 3,
-                 norm_every: int = 1, weight_decay: float = 0.0):
+                 norm_every: int = 1, weight_decay: float = 0.0, ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, norm_every=norm_every,
                         weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 4:
@@ -88,7 +105,7 @@ class OrthogonalFilters(Optimizer):
         for shape, idx in by_shape.items():
             rows, cols = shape[0], shape[1] * shape[2] * shape[3]
             stacked = torch.stack([updates[i].reshape(rows, cols) for i in idx])
-            ortho = newton_schulz(stacked, group["ns_steps"]) * (max(1.0, rows / cols) ** 0.5 * lr)
+            ortho = newton_schulz(stacked, group["ns_steps"], dtype=self.ns_dtype) * (max(1.0, rows / cols) ** 0.5 * lr)
             torch._foreach_sub_([params[i] for i in idx], [o.view(shape) for o in ortho.unbind()])
 
 

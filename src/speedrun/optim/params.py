@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
 
 from ..models import PatchWhitening
@@ -52,7 +53,8 @@ def step_lr(cfg: OptimConfig, batch_size: int) -> float:
     return cfg.lr * momentum_norm * scale
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> Optimizer | OptimizerList:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
+                    ns_dtype: torch.dtype | None = None) -> Optimizer | OptimizerList:
     """SGD, LARS or LAMB (by ``cfg.name``) with one group per parameter role.
 
     Each group carries ``name`` (its role), ``base_lr`` (its LR at schedule multiplier 1) and
@@ -93,5 +95,5 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> Opti
     ortho = OrthogonalFilters([dict(params=filters, name="filters", lr=cfg.filter_lr, base_lr=cfg.filter_lr,
                                     lr_mult=1.0)], cfg.filter_lr, momentum=cfg.filter_momentum,
                               nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, norm_every=cfg.filter_norm_every,
-                              weight_decay=decay_per_step / cfg.filter_lr)
+                              weight_decay=decay_per_step / cfg.filter_lr, ns_dtype=ns_dtype)
     return OptimizerList(main, ortho)
