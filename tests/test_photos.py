@@ -24,6 +24,7 @@ from test_cli import speedrun
 def test_photos_and_small_images_are_told_apart_by_their_size_only():
     photos = choose(224, 9469, 10, 512)
     assert "photos" in photos.line() and photos.sections["model"]["name"] == "resnet"
+    assert photos.sections["optim"]["filters"] == "orthogonal" and "orthogonalised filter updates" in photos.line()
     assert {"data.image_size=128", "data.eval_size=160", "data.eval_crop=1.0"} <= set(photos.overrides)
     small = choose(32, 50_000, 10, 512)
     assert "small images" in small.line() and not small.sections

@@ -91,6 +91,8 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
         c.overrides += [f"data.image_size={train}", f"data.eval_size={evaluate}", "data.eval_crop=1.0"]
         model = preset["model"]
         net = f"ResNet-{model.get('depth', 50)}{model.get('variant', 'a').upper()}"
+        if preset.get("optim", {}).get("filters") == "orthogonal":
+            net += " with orthogonalised filter updates"
         c.reasons.append(f"photos (median shorter side {median_side} px >= {PHOTO_SIDE}): {net} as in the "
                          f"{PHOTO_RECIPE} recipe, random-resized crops trained at {train} px"
                          + (" (progressive from smaller)" if data.get("progressive") else "")
