@@ -229,8 +229,9 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
                               recipe.model.norm.fp32)
     for choice in runtime.choices:
         say(choice)
-    if newton_schulz_dtype(recipe, runtime):
-        say(f"orthogonalised filter updates: Newton-Schulz products in {newton_schulz_dtype(recipe, runtime)} "
+    ns = newton_schulz_dtype(recipe, runtime)
+    if ns:
+        say(f"orthogonalised filter updates: Newton-Schulz products in {ns} "
             f"(optim.ns_precision={recipe.optim.ns_precision})")
     try:
         session, result = _train(recipe, source, runtime, record, resume, say, args, world)

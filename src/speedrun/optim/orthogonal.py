@@ -43,7 +43,7 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps
     The products run in ``dtype``; by default bf16 on CUDA (as the records do) and fp32
     elsewhere (:func:`ns_dtype` decides for a run)."""
     a, b, c = coefficients
-    x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
+    x = g.to(dtype or ns_dtype("auto", g.device.type, "fp32"))
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
