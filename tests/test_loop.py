@@ -97,6 +97,27 @@ def test_whitening_bias_stops_training_after_its_epochs(small):
     assert all(torch.equal(frozen[0], b) for b in frozen)
 
 
+def test_frozen_whitening_bias_leaves_the_backward_with_the_same_weights(small):
+    """Eager in one process, the frozen whitening bias stops asking for a gradient (the backward
+    skips the first convolution's input gradient and the activation after the whitening); the
+    weights are bit for bit those of the LR-0 freeze that compiled and DDP steps keep."""
+    from speedrun.engine.step import drop_frozen_grads
+    assert drop_frozen_grads(False, True) and not drop_frozen_grads(True, True) and not drop_frozen_grads(False, False)
+    recipe = _recipe("model.whiten.train_bias_epochs=1", "eval.every=0")
+    dropped = Session(recipe, small, _runtime())
+    assert dropped.step.freezable == [dropped.model.whiten.bias]
+    needs = []
+    dropped.model.whiten.register_forward_pre_hook(lambda m, a: needs.append(m.bias.requires_grad) if m.training else None)
+    a = dropped.run(seed=3)
+    assert needs == [True] * 16 + [False] * 16          # 16 steps per epoch, bias trained for one
+    kept = Session(recipe, small, _runtime())
+    kept.step.freezable = []                            # the LR-0 freeze all along
+    b = kept.run(seed=3)
+    assert kept.model.whiten.bias.requires_grad
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    assert a.test_acc == b.test_acc and a.test_acc > 0.5
+
+
 def test_bf16_autocast_trains_on_cpu(small):
     result = Session(_recipe(), small, _runtime(precision="bf16")).run()
     assert result.test_acc > 0.5

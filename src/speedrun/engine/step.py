@@ -24,7 +24,9 @@ decay and its every-N condition, the whitening-bias freeze, mixing weights and C
 the loss scale) is a device tensor, so the compiled step never recompiles as the run
 advances, and nothing in a step reads a value back to the host: the loop reads the metrics
 table once per epoch. ``benchmarks/step_structure.py`` counts graphs, graph breaks, eager
-ops and host syncs per step, and tests keep them from creeping back.
+ops and host syncs per step, and tests keep them from creeping back. (An eager step in one
+process instead takes the frozen whitening bias out of the backward: see
+:func:`drop_frozen_grads`.)
 """
 from __future__ import annotations
 
@@ -46,6 +48,14 @@ from .runtime import Runtime, compile_function
 
 WHITEN_FROZEN = frozenset({"whiten_bias"})
 """Parameter groups whose LR drops to 0 after ``model.whiten.train_bias_epochs``."""
+
+
+def drop_frozen_grads(compiled: bool, single_process: bool) -> bool:
+    """Whether a frozen parameter group (the whitening bias after its epochs) is taken out of
+    the backward (``requires_grad`` off) rather than kept at LR 0: only in an eager step of one
+    process. A compiled step would recompile at the change, and DDP reduces a fixed set of
+    gradients."""
+    return not compiled and single_process
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -149,6 +159,13 @@ class TrainStep:
         self.host_step = 0            # the counter's value, known on the host without asking the device
         self.metrics = torch.zeros(total_steps, 3, device=device)     # loss, correct count, overflow skipped
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        # Eager, in one process, the frozen whitening bias stops asking for a gradient: the
+        # backward then skips the first convolution's input gradient and the activation after
+        # the whitening (a full-resolution map), with the same weights as the LR-0 freeze.
+        # Compiled steps and DDP keep the LR-0 freeze (a fixed graph and a fixed set of
+        # gradients to reduce).
+        self.freezable = [p for g in self.opt.param_groups if g["name"] in WHITEN_FROZEN for p in g["params"]] \
+            if drop_frozen_grads(runtime.compile, module is model) else []
         self._forward_loss, self._update = self.forward_loss, self.update
         if runtime.compile:
             if runtime.cuda_graphs:                   # CUDA graphs read and write these at fixed addresses
@@ -164,6 +181,10 @@ class TrainStep:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Train on one batch; its loss and correct count go to :attr:`metrics`."""
         losses, corrects = [], []
+        if self.freezable:
+            needed = self.host_step < self.whiten_steps
+            for p in self.freezable:
+                p.requires_grad_(needed)
         copy_outputs = self.k > 1 and self.rt.cuda_graphs     # the next replay would overwrite them
         for i, (xm, ym) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k))):
             with self.no_sync() if i < self.k - 1 else nullcontext():

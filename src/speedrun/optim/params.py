@@ -33,7 +33,9 @@ def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     groups: dict[str, list[nn.Parameter]] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
+            # (the whitening bias is always in: an eager step turns its requires_grad off while
+            # it is frozen, and a step built then must still train it in the next run)
+            if not p.requires_grad and not isinstance(module, PatchWhitening):
                 continue
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 kind = "norm_weight" if name == "weight" else "norm_bias"
