@@ -86,6 +86,8 @@ MATRIX: list[Entry] = [
     *_fp32("tiny-imagenet", "tiny_npz32", NPZ + TINY),
     # the two remaining corners of fp32/bf16 x eager/compiled
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET), "bf16"),
+    # 3x3 weight gradients always as matrix products (auto measures them in the entry above)
+    Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=gemm"]), "bf16"),
     # (no entry for runtime.compile_mode: its modes differ from the default only by CUDA graphs,
     # which cannot run on a CPU; which modes use them is tested in test_cuda_decisions.py, and
     # benchmarks/gpu_smoke.py runs reduce-overhead on a GPU)

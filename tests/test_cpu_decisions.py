@@ -75,6 +75,19 @@ def test_the_imagenette_recipes_stay_eager_on_a_cpu():
     assert rt.compile
 
 
+def test_auto_batch_norm_precision_on_a_cpu_is_said_and_keeps_resnets_eager():
+    """model.norm.fp32 = auto (the default): batch norm reads bf16 on a CPU, which the start
+    line says, and a long bf16 ResNet run then stays eager (its faster form)."""
+    r = load_recipe("imagenet-resnet50", ["runtime.precision=bf16"])
+    assert r.model.norm.fp32 == "auto"
+    rt = resolve_runtime(r.runtime, torch.device("cpu"), "resnet", 5000, r.model.norm.fp32)
+    assert not rt.compile
+    assert any(c.startswith("batch norm in bf16") for c in rt.choices), rt.choices
+    fp32 = resolve_runtime(load_recipe("imagenet-resnet50", ["runtime.precision=fp32"]).runtime, torch.device("cpu"),
+                           "resnet", 5000, "auto")
+    assert not any(c.startswith("batch norm") for c in fp32.choices)      # nothing to say in fp32
+
+
 def test_the_run_length_decides_compiling_a_resnet_on_a_cpu():
     cfg = load_recipe("imagenet-resnet50", ["runtime.precision=bf16"]).runtime
     long = resolve_runtime(cfg, torch.device("cpu"), "resnet", 5000)

@@ -66,6 +66,20 @@ def test_frozen_scale_is_not_trained_and_fp32_norm_keeps_input_dtype():
     assert torch.allclose(y.float(), ref, atol=2e-2)
 
 
+def test_auto_norm_precision_reads_bf16_on_a_cpu_and_fp32_on_cuda():
+    from speedrun.models.norm import norm_in_fp32
+    assert [norm_in_fp32("auto", d) for d in ("cpu", "cuda")] == [False, True]
+    assert [norm_in_fp32(v, d) for v in (True, False) for d in ("cpu", "cuda")] == [True, True, False, False]
+    x = torch.randn(16, 4, 5, 5).bfloat16()
+    outs = {}
+    for setting in ("auto", False, True):
+        torch.manual_seed(0)
+        outs[setting] = BatchNorm(4, NormConfig(fp32=setting))(x)
+    assert all(y.dtype == torch.bfloat16 for y in outs.values())
+    assert torch.equal(outs["auto"], outs[False])          # on the CPU, auto = the bf16 kernel as it is
+    assert NormConfig().fp32 == "auto"
+
+
 def _speednet(**kw):
     base = dict(widths=[8, 16, 16], whiten={"kernel": 2})
     base.update(kw)

@@ -89,6 +89,9 @@ def check_record(out, entry: Entry) -> dict:
     ns = None if recipe.optim.filters != "orthogonal" else \
         recipe.optim.ns_precision if recipe.optim.ns_precision != "auto" else entry.precision
     assert summary["newton_schulz_dtype"] == ns
+    # eager bf16 on this CPU with runtime.conv_weight_grad=auto: each 3x3 shape measured and its choice kept
+    measured = entry.precision == "bf16" and entry.backend is None and recipe.runtime.conv_weight_grad == "auto"
+    assert bool(summary["conv_weight_grad_choices"]) == measured, summary["conv_weight_grad_choices"]
     # the run learned: better than chance by three standard errors of the accuracy on its test slice
     classes = len(json.loads((out / "preprocessing.json").read_text())["classes"])
     n, chance = summary["test_images"], 1 / classes

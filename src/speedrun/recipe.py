@@ -129,7 +129,9 @@ class NormConfig(Section):
     scale: Literal["learned", "frozen"] = "learned"
     momentum: float = Field(0.1, gt=0, le=1, description="weight of each new batch in running stats")
     eps: float = Field(1e-5, gt=0)
-    fp32: bool = Field(True, description="compute batch norm in fp32 under reduced precision")
+    fp32: bool | Literal["auto"] = Field(
+        "auto", description="compute batch norm in fp32 under reduced precision: true, false, or auto (fp32 on "
+        "CUDA; on a CPU batch norm reads the bf16 activations as they are, its statistics still summed in fp32)")
     sync_ranks: int = Field(1, ge=0, description="processes whose batches one batch norm spans: 1 = each its own, "
                             "0 = all, k = groups of k consecutive ranks")
 
@@ -338,6 +340,10 @@ class RuntimeConfig(Section):
     hold_memory: Literal["auto", "on", "off"] = Field(
         "auto", description="keep freed memory in the process (glibc: large blocks from the heap, no trimming) so "
         "that each step reuses its pages instead of faulting fresh ones in; auto = on for CPU devices under glibc")
+    conv_weight_grad: Literal["auto", "torch", "gemm"] = Field(
+        "auto", description="weight gradients of 3x3 convolutions in eager bf16 steps on a CPU: torch's kernel, nine "
+        "matrix products (gemm), or auto = each shape timed both ways in its first step and the products kept "
+        "where they are clearly faster; elsewhere always torch's")
 
 
 class Recipe(Section):

@@ -16,6 +16,7 @@ from .engine.distributed import World
 from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, TrainingStopped
+from .models import weight_grad
 from .files import check_output_folder
 from .optim.orthogonal import ns_dtype
 from .recipe import Recipe, load_recipe, total_steps
@@ -64,6 +65,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "steps": result.steps,
         "batch_size": recipe.data.batch_size,
         "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
+        "conv_weight_grad_choices": weight_grad.choices(),
         "train_seconds": result.train_seconds,
         "train_seconds_region": TRAIN_SECONDS_REGION,
         "final_eval_seconds": result.final_eval_seconds,

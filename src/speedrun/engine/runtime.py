@@ -17,6 +17,8 @@ import torch.nn as nn
 from .. import compat
 from . import memory
 from ..errors import RecipeError
+from ..models import weight_grad
+from ..models.norm import norm_in_fp32
 from ..recipe import RuntimeConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +61,7 @@ class Runtime:
     compile_backend: str = "inductor"
     choices: tuple[str, ...] = ()          # why each "auto" became what it is (said at start, recorded)
     hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
+    conv_weight_grad: str = "torch"        # 3x3 weight gradients: torch's, gemm, or auto (models/weight_grad.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,6 +104,7 @@ class Runtime:
                 "freed memory: glibc refused the mallopt settings, so its defaults stay (runtime.hold_memory)",))
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        weight_grad.set_mode(self.conv_weight_grad)
         if self.compile:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
@@ -118,7 +122,7 @@ class Runtime:
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
-                "hold_memory": self.hold_memory,
+                "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad,
                 "runtime_choices": list(self.choices)}
 
 
@@ -202,7 +206,7 @@ def pick_device(requested: str | None) -> torch.device:
 
 
 def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None = None,
-                    steps: int | None = None, norm_fp32: bool = True) -> Runtime:
+                    steps: int | None = None, norm_fp32: bool | str = True) -> Runtime:
     """Turn the recipe's 'auto' choices into concrete ones for ``device``.
 
     CUDA: bf16 autocast on compute capability 8.0 and later, fp16 with loss scaling before it
@@ -228,6 +232,11 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if precision == "fp16" and not cuda:
         raise RecipeError("runtime.precision='fp16' is for CUDA devices; on the CPU use 'bf16' or 'fp32'")
     compile_ = cuda if cfg.compile == "auto" else cfg.compile == "on"
+    if norm_fp32 == "auto" and model is not None and precision != "fp32":
+        choices.append("batch norm in fp32: on CUDA (model.norm.fp32=auto)" if cuda else
+                       f"batch norm in {precision}: on a CPU it reads the {precision} activations as they are, "
+                       "its statistics summed in fp32 (model.norm.fp32=auto)")
+    norm_fp32 = norm_in_fp32(norm_fp32, device.type)
     if cfg.compile == "auto" and not cuda:
         compile_, why = auto_cpu_compile(model, precision, steps, norm_fp32)
         if model is not None:
@@ -241,7 +250,12 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
                        "eager (install one, e.g. Debian's g++, to compile)")
     hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library())
     choices.append(why)
-    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold)
+    wgrad = weight_grad.resolve(cfg.conv_weight_grad, device.type, precision, compile_)
+    if wgrad == "auto":
+        choices.append("3x3 weight gradients: torch's kernel or nine matrix products, whichever each shape's first "
+                       "step times clearly faster (runtime.conv_weight_grad=auto)")
+    return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
+                   wgrad)
 
 
 # ------------------------------------------------------------------------------------------
