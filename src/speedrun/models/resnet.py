@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..recipe import ResNetConfig
+from . import weight_grad
 from .norm import BatchNorm
 
 STAGES = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
@@ -26,7 +27,7 @@ def round_up_to_multiple(x: int, multiple: int) -> int:
 
 def conv(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Conv2d:
     """A convolution padded to keep the size at stride 1; no bias, since a BN follows it."""
-    return nn.Conv2d(c_in, c_out, kernel, stride, padding=kernel // 2, bias=False)
+    return weight_grad.Conv2d(c_in, c_out, kernel, stride, padding=kernel // 2, bias=False)
 
 
 def conv_bn_relu(c_in: int, c_out: int, kernel: int, stride: int, cfg: ResNetConfig) -> list[nn.Module]:

@@ -25,17 +25,12 @@ def activation(cfg: SpeedNetConfig) -> nn.Module:
     return nn.GELU() if cfg.activation == "gelu" else nn.ReLU()
 
 
-class Conv(nn.Conv2d):
+class Conv(weight_grad.Conv2d):
     """Bias-free convolution ('same' padding) with optional identity (Dirac) initialisation."""
 
     def __init__(self, c_in: int, c_out: int, kernel: int = 3, identity_init: bool = False):
         self.identity_init = identity_init
         super().__init__(c_in, c_out, kernel, padding=kernel // 2, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if weight_grad.takes(self, x):                  # eager bf16 on a CPU: the measured weight gradient
-            return weight_grad.conv3x3(self, x)
-        return super().forward(x)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
