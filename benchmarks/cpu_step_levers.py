@@ -108,8 +108,9 @@ def main() -> int:
         return put
 
     rows = []
+    wg.set_mode("auto")
     for size, (x, y) in sorted(batches_at_each_size(session).items()):
-        wg.set_mode("auto")
+        wgrad("auto")()                             # (keeps the shapes measured at earlier sizes)
         timed_step(session, x, y)                   # the shapes at this size measured
         for lever, a, b, labels in [("whiten", whiten(True), whiten(False), ("dropped", "lr0")),
                                     ("norm", norm(False), norm(True), ("bf16", "fp32")),
