@@ -53,6 +53,9 @@ def test_auto_holds_memory_on_cpus_under_glibc_only():
     assert not auto_hold_memory("auto", "cuda", "glibc")[0]
     assert auto_hold_memory("on", "cuda", "glibc")[0]
     assert not auto_hold_memory("auto", "cpu", "")[0]
+    fitted, why = auto_hold_memory("auto", "cpu", "glibc", find_batch=True)     # the finder's conditions kept
+    assert not fitted and "find_batch" in why
+    assert auto_hold_memory("on", "cpu", "glibc", find_batch=True)[0]
     off, why = auto_hold_memory("off", "cpu", "glibc")
     assert not off and "hold_memory=off" in why
 

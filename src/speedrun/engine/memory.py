@@ -36,13 +36,19 @@ def c_library() -> str:
     return platform.libc_ver()[0]
 
 
-def auto_hold_memory(setting: str, device_type: str, libc: str) -> tuple[bool, str]:
+def auto_hold_memory(setting: str, device_type: str, libc: str, find_batch: bool = False) -> tuple[bool, str]:
     """(hold?, why) for ``runtime.hold_memory`` = ``setting`` ("auto", "on", "off") on a
     ``device_type`` device in a process linked against ``libc``. "auto" holds on CPUs under
-    glibc (on CUDA the activations live in the caching allocator, not in malloc). "on"
-    under another C library is refused: there is no mallopt to set."""
+    glibc (on CUDA the activations live in the caching allocator, not in malloc), except with
+    ``runtime.find_batch``: the finder's verdict is taken with glibc's defaults, and a run that
+    asked to fit its memory keeps them (held memory, never trimmed, needed more address space
+    than the probe that fitted: under an address-space limit the run then failed at the batch
+    the finder chose). "on" under another C library is refused: there is no mallopt to set."""
     if setting == "off":
         return False, "freed memory returned to the system (runtime.hold_memory=off)"
+    if setting == "auto" and find_batch and device_type == "cpu":
+        return False, ("freed memory returned to the system: with runtime.find_batch the run keeps the memory "
+                       "behaviour the batch was fitted under (runtime.hold_memory=auto)")
     if libc != "glibc":
         if setting == "on":
             raise RecipeError(f"runtime.hold_memory='on' needs glibc's malloc; this process uses "

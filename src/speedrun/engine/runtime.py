@@ -248,7 +248,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         compile_ = False
         choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
                        "eager (install one, e.g. Debian's g++, to compile)")
-    hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library())
+    hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library(), cfg.find_batch)
     choices.append(why)
     wgrad = weight_grad.resolve(cfg.conv_weight_grad, device.type, precision, compile_)
     if wgrad == "auto":
