@@ -213,3 +213,13 @@ def bench_records(artifacts, fashion_small):
 
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True)
+def _torch_weight_gradients():
+    """Each test starts with torch's 3x3 weight gradients (the process-wide default) and no
+    measured shapes: a runtime activated by an earlier test in the same worker must not
+    change how a later one computes."""
+    from speedrun.models import weight_grad
+    weight_grad.set_mode("torch")
+    yield

@@ -54,7 +54,7 @@ def test_config_is_the_fully_resolved_recipe(quick_run):
     assert config["train"]["epochs"] == 0.25 and config["train"]["seed"] == 3
     assert config["model"]["widths"] == [16, 32, 32]
     assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default", "channels_last": True,
-                                 "find_batch": False, "hold_memory": "auto", "conv_weight_grad": "auto"}
+                                 "find_batch": False, "hold_memory": "auto", "conv_weight_grad": "torch"}
     assert load_recipe(str(out / "config.toml")).eval.tta == "flip"
 
 

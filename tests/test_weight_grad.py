@@ -48,7 +48,8 @@ def test_which_runs_and_which_shapes_take_the_products():
     assert wg.choose(100.0, 79.0) == "gemm" and wg.choose(100.0, 81.0) == "torch"   # a clear win only
     with pytest.raises(ValueError, match="conv_weight_grad mode"):
         wg.set_mode("fast")
-    rt = resolve_runtime(RuntimeConfig(precision="bf16", compile="off"), CPU)
+    assert RuntimeConfig().conv_weight_grad == "torch"                 # opt-in
+    rt = resolve_runtime(RuntimeConfig(precision="bf16", compile="off", conv_weight_grad="auto"), CPU)
     assert rt.conv_weight_grad == "auto" and any("3x3 weight gradients" in c for c in rt.choices)
     assert resolve_runtime(RuntimeConfig(precision="fp32"), CPU).conv_weight_grad == "torch"
     assert resolve_runtime(RuntimeConfig(precision="bf16", conv_weight_grad="torch"), CPU).conv_weight_grad == "torch"

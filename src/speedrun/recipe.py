@@ -341,9 +341,10 @@ class RuntimeConfig(Section):
         "auto", description="keep freed memory in the process (glibc: large blocks from the heap, no trimming) so "
         "that each step reuses its pages instead of faulting fresh ones in; auto = on for CPU devices under glibc")
     conv_weight_grad: Literal["auto", "torch", "gemm"] = Field(
-        "auto", description="weight gradients of 3x3 convolutions in eager bf16 steps on a CPU: torch's kernel, nine "
+        "torch", description="weight gradients of 3x3 convolutions in eager bf16 steps on a CPU: torch's kernel, nine "
         "matrix products (gemm), or auto = each shape timed both ways in its first step and the products kept "
-        "where they are clearly faster; elsewhere always torch's")
+        "where they are clearly faster (opt-in: a resumed or repeated run may time a shape differently); "
+        "elsewhere always torch's")
 
 
 class Recipe(Section):
