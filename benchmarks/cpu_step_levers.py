@@ -101,10 +101,7 @@ def main() -> int:
 
     def wgrad(mode):
         def put():
-            if wg.mode() != mode:
-                keep = dict(wg._choices)
-                wg.set_mode(mode)
-                wg._choices.update(keep)            # the measured choices survive the switch back
+            wg.set_mode(mode, forget=False)         # the measured choices survive the switch back
         return put
 
     rows = []
@@ -126,8 +123,7 @@ def main() -> int:
     choices = wg.choices()
 
     shapes = []
-    for key in sorted(wg._choices):
-        (n, c, h, w), k = key
+    for (n, c, h, w), k in wg.measured():
         xs = torch.randn(n, c, h, w).bfloat16().contiguous(memory_format=torch.channels_last)
         g = torch.randn(n, k, h, w).bfloat16().contiguous(memory_format=torch.channels_last)
         weight = torch.randn(k, c, 3, 3).bfloat16().contiguous(memory_format=torch.channels_last)

@@ -35,14 +35,16 @@ _mode = "torch"
 _choices: dict[tuple, str] = {}
 
 
-def set_mode(mode: str) -> None:
+def set_mode(mode: str, forget: bool = True) -> None:
     """The process-wide choice (``Runtime.activate``): "auto", "torch" or "gemm". Each
-    activation measures afresh (the shapes timed so far are forgotten)."""
+    activation measures afresh (the shapes timed so far are forgotten, unless ``forget`` is
+    False: a benchmark switching modes back and forth keeps them)."""
     global _mode
     if mode not in MODES:
         raise ValueError(f"conv_weight_grad mode {mode!r}: expected one of {MODES}")
     _mode = mode
-    _choices.clear()
+    if forget:
+        _choices.clear()
 
 
 def mode() -> str:
@@ -63,14 +65,27 @@ def choose(torch_seconds: float, gemm_seconds: float, margin: float = MARGIN) ->
     return "gemm" if gemm_seconds <= margin * torch_seconds else "torch"
 
 
+def measured() -> dict[tuple[tuple[int, int, int, int], int], str]:
+    """The measured choice per shape in this process: ((N, C, H, W) of the input, K) -> "gemm"
+    or "torch"."""
+    return dict(sorted(_choices.items()))
+
+
 def choices() -> dict[str, str]:
-    """The measured choice per shape in this process ("NxCxHxW->K": "gemm" or "torch")."""
-    return {f"{n}x{c}x{h}x{w}->{k}": how for ((n, c, h, w), k), how in sorted(_choices.items())}
+    """:func:`measured`, keyed "NxCxHxW->K" (the summary's form)."""
+    return {f"{n}x{c}x{h}x{w}->{k}": how for ((n, c, h, w), k), how in measured().items()}
+
+
+def _torch_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, input_grad: bool) -> torch.Tensor:
+    """torch's (oneDNN's) gradient of the stride-1, padding-1 convolution: of its input, or else
+    of its weight."""
+    mask = [True, False, False] if input_grad else [False, True, False]
+    return torch.ops.aten.convolution_backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                               mask)[0 if input_grad else 1]
 
 
 def torch_weight_grad(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.convolution_backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                               [False, True, False])[1]
+    return _torch_backward(g, x, w, input_grad=False)
 
 
 def gemm_weight_grad(g: torch.Tensor, x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
@@ -142,8 +157,7 @@ class _Conv3x3(torch.autograd.Function):
         x, w = ctx.saved_tensors
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = torch.ops.aten.convolution_backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                     [True, False, False])[0]
+            gx = _torch_backward(g, x, w, input_grad=True)
         if ctx.needs_input_grad[1]:
             gw = weight_grad(g, x, w)
         return gx, gw
