@@ -70,6 +70,12 @@ class DataConfig(Section):
     skip_corrupt: bool = Field(False, description="skip unreadable images (and report how many) instead of stopping")
     progressive: list[tuple[float, float]] | None = Field(
         None, description="progressive resizing: [[fraction of training, scale of image_size], ...]")
+    prune: float = Field(0.0, ge=0, lt=1, description="after a first pass over every image, each pass leaves "
+                         "out this fraction of the images whose last training loss is below the mean (drawn "
+                         "afresh each pass); the easy images kept count 1/(1 - prune) in the loss, so the "
+                         "expected gradient stays the same (device-resident data, one process); 0 = off")
+    prune_full: float = Field(0.125, ge=0, le=1, description="with data.prune: this last fraction of the steps "
+                              "trains on every image again")
 
     @model_validator(mode="after")
     def _check(self):

@@ -64,6 +64,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "epochs": result.epochs,
         "steps": result.steps,
         "batch_size": recipe.data.batch_size,
+        "pass_images": result.pass_images,
         "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
         "conv_weight_grad_choices": weight_grad.choices(),
         "train_seconds": result.train_seconds,

@@ -74,6 +74,7 @@ class ResidentData:
         self.dtype, self.memory_format, self.device = dtype, memory_format, device
         self.shard = shard
         self.skipped = 0
+        self.pruner = None               # a LossPruner (data.prune), set by the engine
 
     @property
     def n_train(self) -> int:
@@ -95,6 +96,9 @@ class ResidentData:
               size: int | None = None, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Shuffled, augmented full batches for one epoch (the last partial batch is dropped),
         resized to ``size`` for progressive resizing, starting after ``skip`` batches."""
+        if self.pruner is not None:
+            yield from self._pruned_epoch(epoch, batch_size, augment, generator, size, skip)
+            return
         perm = torch.randperm(self.n_train, generator=generator, device=self.device)
         draws = augment.draw(epoch)
         mine = self.shard.train_positions(batch_size)
@@ -102,11 +106,21 @@ class ResidentData:
             mine = torch.as_tensor(mine, device=self.device)
         for i in range(skip, self.n_train // batch_size):
             idx = perm[i * batch_size:(i + 1) * batch_size][mine]
-            x = reflect_pad(self.normalise(self.train[idx]), self.translate)
-            x = augment(x, idx, draws, size)
-            if size is not None and size != x.shape[-1]:
-                x = resize(x, size)
-            yield x.contiguous(memory_format=self.memory_format), self.train_y[idx]
+            yield self._train_batch(idx, augment, draws, size)
+
+    def _pruned_epoch(self, epoch, batch_size, augment, generator, size, skip):
+        """An epoch's worth of steps from the pruner's passes (see :mod:`speedrun.data.pruning`)."""
+        spe = self.n_train // batch_size
+        for i in range(skip, spe):
+            idx = self.pruner.batch(batch_size, epoch * spe + i, generator, augment)
+            yield self._train_batch(idx, augment, self.pruner.draws, size)
+
+    def _train_batch(self, idx, augment, draws, size):
+        x = reflect_pad(self.normalise(self.train[idx]), self.translate)
+        x = augment(x, idx, draws, size)
+        if size is not None and size != x.shape[-1]:
+            x = resize(x, size)
+        return x.contiguous(memory_format=self.memory_format), self.train_y[idx]
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test set in batches of ``batch_size`` (this rank's slice of each)."""

@@ -25,6 +25,7 @@ import torch
 from ..data.augment import BatchAugment
 from ..data.choices import nearest_multiple
 from ..data.dataset import open_pipeline
+from ..data.pruning import LossPruner
 from ..data.shard import Shard
 from ..errors import DataError, RecipeError
 from ..models import build_model
@@ -86,6 +87,7 @@ class RunResult:
     resumed_from_step: int | None = None
     normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
     test_images: int = 0
+    pass_images: list[int] = field(default_factory=list)   # data.prune: training images visited per pass
 
 
 class NonFiniteLoss(RuntimeError):
@@ -394,6 +396,7 @@ class Session:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
         self.step.reset(seed)                           # (the average starts from the fitted whitening)
         st = self._train_state(data, seed)
+        self.step.pruner = self._pruner(data)
         if resume is not None:
             clock = Clock(rt, *ckpt.restore_run(resume, self.recipe, model, self.step, st))
         base_lr = next(g for g in self.step.opt.param_groups if g["name"] in ("weight", "filters"))["base_lr"]
@@ -447,7 +450,20 @@ class Session:
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
                          resumed_from_step=resume["step"] if resume else None,
-                         normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test))
+                         normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test),
+                         pass_images=list(self.step.pruner.kept) if self.step.pruner is not None else [])
+
+    def _pruner(self, data) -> LossPruner | None:
+        """The run's loss-based pruning of easy images (``data.prune``), attached to the data."""
+        d = self.recipe.data
+        if not d.prune:
+            return None
+        if not hasattr(data, "pruner"):
+            raise RecipeError(f"data.prune={d.prune} needs device-resident data (a built-in or .npz data set); "
+                              "an image folder is streamed")
+        full_from = round((1 - d.prune_full) * self.total_steps)
+        data.pruner = LossPruner(data.n_train, d.prune, full_from, self.runtime.device)
+        return data.pruner
 
     def _evaluate(self, data, tta: str, fraction: float) -> torch.Tensor:
         """(correct with TTA, correct without, images) over the whole test set: each rank

@@ -159,6 +159,7 @@ class TrainStep:
         self.host_step = 0            # the counter's value, known on the host without asking the device
         self.metrics = torch.zeros(total_steps, 3, device=device)     # loss, correct count, overflow skipped
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.pruner = None            # the run's LossPruner (data.prune), set by the loop
         # Eager, in one process, the frozen whitening bias stops asking for a gradient: the
         # backward then skips the first convolution's input gradient and the activation after
         # the whitening (a full-resolution map), with the same weights as the LR-0 freeze.
@@ -186,20 +187,26 @@ class TrainStep:
             for p in self.freezable:
                 p.requires_grad_(needed)
         copy_outputs = self.k > 1 and self.rt.cuda_graphs     # the next replay would overwrite them
-        for i, (xm, ym) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k))):
+        weights = self.pruner.batch_weights().tensor_split(self.k) if self.pruner is not None else [None] * self.k
+        per_image = []
+        for i, (xm, ym, wm) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k), weights)):
             with self.no_sync() if i < self.k - 1 else nullcontext():
-                scaled, loss, correct = self._forward_loss(xm, ym, len(xm) / len(x))
+                scaled, loss, correct, each = self._forward_loss(xm, ym, len(xm) / len(x), wm)
                 scaled.backward()
             losses.append(loss.clone() if copy_outputs else loss)
             corrects.append(correct.clone() if copy_outputs else correct)
+            per_image.append(each)
+        if self.pruner is not None:
+            self.pruner.record(torch.cat(per_image))
         self._update(losses, corrects)
         self.host_step += 1                           # (outside the compiled update, which must not read it)
         for p in self.params:
             p.grad = None
 
-    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float):
-        """(loss to back-propagate, loss, correct count) of one micro-batch that is ``share``
-        of the batch."""
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float, weight: torch.Tensor | None = None):
+        """(loss to back-propagate, loss, correct count, each image's loss or None) of one
+        micro-batch that is ``share`` of the batch; ``weight``: per-image loss weights
+        (``data.prune``), whose images' own losses are then returned too."""
         r = self.r
         with self.rt.autocast():
             if self.mixing:
@@ -207,8 +214,15 @@ class TrainStep:
                 x = apply_mix(x, pixel_lam, box)
             logits = self.module(x).float()
         smoothing = r.train.label_smoothing
-        loss = mixed_loss(logits, y, y.flip(0), lam, smoothing) if self.mixing else \
-            F.cross_entropy(logits, y, label_smoothing=smoothing)
+        each = None
+        if weight is not None:
+            each = F.cross_entropy(logits, y, label_smoothing=smoothing, reduction="none")
+            loss = (each * weight).mean()
+            each = each.detach()
+        elif self.mixing:
+            loss = mixed_loss(logits, y, y.flip(0), lam, smoothing)
+        else:
+            loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
         if self.teacher is not None:
             with torch.no_grad(), self.rt.autocast():
                 t_logits = self.teacher(x).float()
@@ -217,7 +231,7 @@ class TrainStep:
         loss = loss * share
         correct = (logits.argmax(1) == y).sum()
         scaled = loss * self.scaler.scale if self.scaler is not None else loss
-        return scaled, loss.detach(), correct
+        return scaled, loss.detach(), correct, each
 
     @torch.no_grad()
     def update(self, losses: list[torch.Tensor], corrects: list[torch.Tensor]) -> None:
