@@ -233,6 +233,32 @@ def test_run_flops_counts_each_step_at_the_size_it_trains_at():
     assert got["eval_flops"] == plain["eval_flops"] and got["train_flops"] < 0.7 * plain["train_flops"]
 
 
+def test_steps_after_the_whitening_freeze_are_counted_without_the_first_input_gradient():
+    """An eager step in one process takes the frozen whitening bias out of the backward, so the
+    first convolution's input gradient is not computed: those steps count that much less."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+    from speedrun.engine import flops
+    recipe = load_recipe("cifar10-94-fast")
+    got = flops.run_flops(recipe, 3, 10, (32, 32), [(32, 32)] * 10, 100, frozen_from=4)
+    every = flops.run_flops(recipe, 3, 10, (32, 32), [(32, 32)] * 10, 100)
+    assert got["steps_without_whitening_gradient"] == 6 and every["steps_without_whitening_gradient"] == 0
+    # the input gradient of the first 3x3 convolution (24 -> 64 channels) on the 31x31 whitened map,
+    # counted on a convolution of its own
+    x = torch.randn(2, 24, 31, 31, requires_grad=True)
+    w = torch.randn(64, 24, 3, 3, requires_grad=True)
+    counted = []
+    for needs in (True, False):
+        x.requires_grad_(needs)
+        with FlopCounterMode(display=False) as fc:
+            F.conv2d(x, w, padding=1).sum().backward()
+        counted.append(fc.get_total_flops() / 2)
+    input_grad = counted[0] - counted[1]
+    assert every["train_flops"] - got["train_flops"] == pytest.approx(6 * recipe.data.batch_size * input_grad)
+    assert got["eval_flops"] == every["eval_flops"]
+
+
 def test_flops_command_reports_the_split(tmp_path, fashion_small):
     proc = speedrun("flops", "fashion-mnist", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--steps", 3,
                     "--json", tmp_path / "f.json")
@@ -240,7 +266,15 @@ def test_flops_command_reports_the_split(tmp_path, fashion_small):
     recipe = load_recipe("fashion-mnist", ["data.dataset=npz"])
     assert rec["flops_per_train_image"] > 2 * rec["flops_per_forward_image"]
     steps = total_steps(recipe, 1024)                              # the 1,024-image slice
-    assert rec["train_flops"] == pytest.approx(rec["flops_per_train_image"] * steps * recipe.data.batch_size)
+    # an eager run in one process: the steps after the whitening bias's epochs skip the first input gradient
+    frozen = rec["steps_without_whitening_gradient"]
+    assert frozen == steps - round(recipe.model.whiten.train_bias_epochs * (1024 // recipe.data.batch_size))
+    assert "steps after the whitening bias froze" in proc.stdout
+    from speedrun.engine import flops
+    lighter = flops.per_image_flops(recipe, 1, 10, (28, 28), whiten_frozen=True)["train"]
+    assert lighter < rec["flops_per_train_image"]
+    assert rec["train_flops"] == pytest.approx((rec["flops_per_train_image"] * (steps - frozen) + lighter * frozen)
+                                               * recipe.data.batch_size)
     assert rec["total_flops"] == pytest.approx(rec["train_flops"] + rec["eval_flops"])
     assert rec["split"]["steps"] == 3
     assert rec["split"]["data_seconds_per_step"] > 0 and rec["split"]["model_seconds_per_step"] > 0

@@ -74,8 +74,8 @@ class DataConfig(Section):
                          "out this fraction of the images whose last training loss is below the mean (drawn "
                          "afresh each pass); the easy images kept count 1/(1 - prune) in the loss, so the "
                          "expected gradient stays the same (device-resident data, one process); 0 = off")
-    prune_full: float = Field(0.125, ge=0, le=1, description="with data.prune: this last fraction of the steps "
-                              "trains on every image again")
+    prune_full: float = Field(0.125, ge=0, le=1, description="with data.prune: passes that start in this last "
+                              "fraction of the steps take every image again, with weight 1")
 
     @model_validator(mode="after")
     def _check(self):
@@ -381,6 +381,13 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        a = self.augment
+        if self.data.prune and self.data.dataset in ("folder", "imagenette"):
+            raise ValueError(f"data.prune={self.data.prune} keeps a loss per image of device-resident data "
+                             "(cifar10, cifar100, fashion-mnist, npz); image folders are streamed: set data.prune=0")
+        if self.data.prune and (a.mixup or a.cutmix):
+            raise ValueError(f"data.prune={self.data.prune} weighs each image's own loss, which mixed images "
+                             "(augment.mixup, augment.cutmix) do not have: turn one of them off")
         if not self.data.batch_size:            # per_device_batch: checked once the device count is known
             return self
         gb = self.model.norm.ghost_batch

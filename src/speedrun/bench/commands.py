@@ -196,6 +196,9 @@ def flops_command(args) -> int:
     if len(total["train_steps_by_size"]) > 1:
         t.add_row("training steps by image size", ", ".join(f"{n} at {size}" for size, n in
                                                            total["train_steps_by_size"].items()))
+    if total["steps_without_whitening_gradient"]:
+        t.add_row("steps after the whitening bias froze", f"{total['steps_without_whitening_gradient']} "
+                  "(no input gradient for the first convolution)")
     t.add_row("training FLOPs per run", f"{total['train_flops']:.4g}")
     t.add_row("evaluation FLOPs (with TTA)", f"{total['eval_flops']:.4g}")
     t.add_row("peak FLOP/s", (f"{peak:.4g} (datasheet); " if peak else "") + f"{measured:.4g} (measured matmul)")

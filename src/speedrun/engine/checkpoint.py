@@ -82,6 +82,8 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
         "epoch_gen_state": st.epoch_gen_state.cpu(), "cpu_rng": torch.get_rng_state(),
         "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
         "elapsed": clock.elapsed(), "paused": dict(clock.paused),
+        **({"pruner": {**step.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
+           if getattr(step, "pruner", None) is not None else {}),
     })
 
 

@@ -89,11 +89,16 @@ def measured_peak(device_type: str, precision: str, size: int | None = None, rep
 
 
 def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
-                    image_size: tuple[int, int]) -> dict[str, float]:
-    """FLOPs per image of a forward pass and of a training step (forward + backward)."""
+                    image_size: tuple[int, int], whiten_frozen: bool = False) -> dict[str, float]:
+    """FLOPs per image of a forward pass and of a training step (forward + backward);
+    ``whiten_frozen``: a step after the whitening bias has left the backward (nothing before
+    the first convolution needs a gradient, so its input gradient is not computed)."""
     n = 2
     with torch.device("meta"):
         model = build_model(recipe.model, in_channels, num_classes)
+    whiten = getattr(model, "whiten", None)
+    if whiten_frozen and whiten is not None:
+        whiten.requires_grad_(False)
     x = torch.randn(n, in_channels, *image_size, device="meta")
     y = torch.randint(0, num_classes, (n,), device="meta")
     with FlopCounterMode(display=False) as fwd:
@@ -105,21 +110,27 @@ def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
 
 def run_flops(recipe: Recipe, in_channels: int, num_classes: int, image_size: tuple[int, int],
               step_sizes: Sequence[tuple[int, int]], test_images: int,
-              eval_size: tuple[int, int] | None = None) -> dict:
+              eval_size: tuple[int, int] | None = None, frozen_from: int | None = None) -> dict:
     """Total FLOPs of a run: its training steps, each of ``data.batch_size`` images at the size
     it trains at (``step_sizes``, one per step: progressive resizing makes early steps
     cheaper), plus the final evaluation at ``eval_size`` (default: the full training size)
-    with its TTA views."""
+    with its TTA views. ``frozen_from``: the first step whose backward leaves out the frozen
+    whitening bias (eager steps in one process: see ``engine.step.drop_frozen_grads``); None
+    = every step computes it (the LR-0 freeze)."""
     eval_size = tuple(eval_size or image_size)
     sizes = {tuple(s) for s in step_sizes} | {tuple(image_size), eval_size}
     per_size = {s: per_image_flops(recipe, in_channels, num_classes, s) for s in sorted(sizes)}
     full = per_size[tuple(image_size)]
     steps_at = Counter(tuple(s) for s in step_sizes)
-    train = sum(per_size[s]["train"] * n for s, n in steps_at.items()) * recipe.data.batch_size
+    frozen_at = Counter(tuple(s) for s in step_sizes[frozen_from:]) if frozen_from is not None else Counter()
+    frozen = {s: per_image_flops(recipe, in_channels, num_classes, s, whiten_frozen=True) for s in sorted(frozen_at)}
+    train = sum(per_size[s]["train"] * (n - frozen_at[s]) for s, n in steps_at.items())
+    train = (train + sum(frozen[s]["train"] * n for s, n in frozen_at.items())) * recipe.data.batch_size
     extra_views = len(TTA_VIEWS[recipe.eval.tta]) - 1          # only tta_fraction of images get them
     evaluate = per_size[eval_size]["forward"] * test_images * (1 + extra_views * recipe.eval.tta_fraction)
     return {"flops_per_train_image": full["train"], "flops_per_forward_image": full["forward"],
             "train_steps_by_size": {f"{h}x{w}": n for (h, w), n in sorted(steps_at.items())},
+            "steps_without_whitening_gradient": sum(frozen_at.values()),
             "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}
 
 

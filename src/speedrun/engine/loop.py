@@ -255,6 +255,9 @@ class Session:
         if probe_only:                                  # the model, for settle()'s probes: nothing to train
             return
         self.local_batch = local_batch(recipe, world)
+        if recipe.data.prune and world.size > 1:
+            raise RecipeError(f"data.prune={recipe.data.prune} keeps each image's loss in one process; it does not "
+                              f"run data-parallel ({world.size} processes): set data.prune=0")
         self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
@@ -327,8 +330,9 @@ class Session:
         evaluation: :func:`speedrun.engine.flops.run_flops` for this session."""
         src = self.source
         sizes = self.step_sizes(self.recipe, steps, self.steps_per_epoch)
+        frozen_from = self.step.whiten_steps if self.step.freezable else None
         return flops.run_flops(self.recipe, src.in_channels, src.num_classes, src.image_size, sizes, len(src.test_y),
-                               eval_size=src.eval_size)
+                               eval_size=src.eval_size, frozen_from=frozen_from)
 
     def _train_step(self, recipe: Recipe) -> TrainStep:
         total = total_steps(recipe, len(self.source.train_y))
@@ -399,6 +403,9 @@ class Session:
         self.step.pruner = self._pruner(data)
         if resume is not None:
             clock = Clock(rt, *ckpt.restore_run(resume, self.recipe, model, self.step, st))
+            if self.step.pruner is not None:          # its passes span epochs: the generator as it was
+                self.step.pruner.load_state_dict(resume["pruner"])
+                st.gen.set_state(resume["pruner"]["generator"])
         base_lr = next(g for g in self.step.opt.param_groups if g["name"] in ("weight", "filters"))["base_lr"]
         with clock.pause("bookkeeping"):
             last_good = LastGood(model, st.step)
@@ -458,9 +465,8 @@ class Session:
         d = self.recipe.data
         if not d.prune:
             return None
-        if not hasattr(data, "pruner"):
-            raise RecipeError(f"data.prune={d.prune} needs device-resident data (a built-in or .npz data set); "
-                              "an image folder is streamed")
+        if not hasattr(data, "pruner"):             # (the recipe refuses folders; other pipelines alike)
+            raise RecipeError(f"data.prune={d.prune} needs device-resident data (a built-in or .npz data set)")
         full_from = round((1 - d.prune_full) * self.total_steps)
         data.pruner = LossPruner(data.n_train, d.prune, full_from, self.runtime.device)
         return data.pruner
