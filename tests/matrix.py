@@ -137,7 +137,9 @@ FIELDS: list[Entry] = [
     # a polynomial schedule with a floor
     Entry("imagenet-resnet50-lars", "tiny_npz32", tuple(NPZ + LARS + ["schedule={kind='poly', warmup_epochs=0.2, "
                                                                  "power=1.5, end=0.01}"])),
-    # distillation from the cifar10-94 run above (the teacher fixture)
-    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["distill.alpha=0.3", "distill.temperature=2.0"]),
+    # distillation from the cifar10-94 run above (the teacher fixture), with loss-based pruning of easy
+    # images (the weighted cross entropy beside the distillation term)
+    Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["distill.alpha=0.3", "distill.temperature=2.0",
+                                                               "data.prune=0.5", "data.prune_full=0.25"]),
           args=("teacher",)),
 ]
