@@ -1,11 +1,6 @@
 """data.prune: loss-based pruning of easy images between passes (speedrun.data.pruning), on
 real data and real training processes."""
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -20,7 +15,7 @@ from speedrun.errors import RecipeError
 from speedrun.recipe import load_recipe
 
 from test_cli import speedrun
-from test_training_features import TINY
+from test_training_features import TINY, killed_at_first_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -105,16 +100,7 @@ def test_a_pruned_run_resumes_bit_for_bit(fashion_small, tmp_path):
             "--set", "data.batch_size=32", "--set", "data.prune=0.5", "--set", "checkpoint.every_steps=41"]
     speedrun(*args, "--out", tmp_path / "whole")
     run = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "speedrun", *args, "--out", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (run / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert not (run / "summary.json").exists(), "the run finished before it could be interrupted"
-    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state = killed_at_first_checkpoint(args, run)
     assert state["step"] in (41, 82) and state["pruner"]["passes"] >= 2     # inside a pruned pass
     speedrun("train", "--resume", run, "--data-dir", fashion_small)
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)

@@ -69,6 +69,21 @@ def test_training_with_accumulation_learns(fashion_small, tmp_path):
 
 
 # ------------------------------------------------------------------------------- resume
+def killed_at_first_checkpoint(args: list, run) -> dict:
+    """Start ``speedrun *args --out run`` as a real process, SIGKILL it once its first checkpoint
+    is written, and return that checkpoint (the run must not have finished)."""
+    proc = subprocess.Popen([sys.executable, "-m", "speedrun", *args, "--out", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)                                  # a real interruption
+        proc.wait()
+    assert not (run / "summary.json").exists(), "the run finished before it could be interrupted"
+    return torch.load(run / "checkpoint.pt", weights_only=True)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])        # eager: what "auto" is on CPUs without and with bf16
 def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision):
     # (bf16 on a narrower net for half as long: on CPUs without native bf16 it is emulated, ~50x slower)
@@ -80,17 +95,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_sm
             "--set", "eval.every=1", "--set", "checkpoint.every_steps=7"]          # 32 steps/epoch: mid-epoch
     speedrun(*args, "--out", tmp_path / "whole")
     run = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "speedrun", *args, "--out", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (run / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    state_step = None
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)                                  # a real interruption
-        proc.wait()
-    assert not (run / "summary.json").exists(), "the run finished before it could be interrupted"
-    state_step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    state_step = killed_at_first_checkpoint(args, run)["step"]
     assert state_step % 7 == 0 and state_step < (128 if precision == "fp32" else 64)
     out = speedrun("train", "--resume", run, "--data-dir", fashion_small)
     assert re.search(rf"resumed from step\s*│\s*{state_step}\s*│", out.stdout), out.stdout

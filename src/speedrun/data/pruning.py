@@ -26,8 +26,7 @@ class LossPruner:
     """The per-image losses and the current pass of one run, on ``device``."""
 
     def __init__(self, n: int, fraction: float, full_from_step: int, device: torch.device):
-        if not 0 <= fraction < 1:
-            raise ValueError(f"prune fraction {fraction} is not in [0, 1)")
+        """``fraction``: ``data.prune`` (the recipe holds it in (0, 1))."""
         self.n, self.fraction, self.full_from_step = n, fraction, full_from_step
         self.loss = torch.full((n,), math.inf, device=device)
         self.weight = torch.ones(n, device=device)
@@ -43,7 +42,7 @@ class LossPruner:
         loss, dev = self.loss, self.loss.device
         seen = torch.isfinite(loss)
         self.weight.fill_(1.0)
-        if full or self.fraction == 0 or not bool(seen.any()):
+        if full or not bool(seen.any()):
             keep = torch.ones(self.n, dtype=torch.bool, device=dev)
         else:
             easy = seen & (loss < loss[seen].mean())

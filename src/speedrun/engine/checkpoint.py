@@ -83,7 +83,7 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
         "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
         "elapsed": clock.elapsed(), "paused": dict(clock.paused),
         **({"pruner": {**step.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
-           if getattr(step, "pruner", None) is not None else {}),
+           if step.pruner is not None else {}),
     })
 
 
