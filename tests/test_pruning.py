@@ -61,6 +61,17 @@ def test_batches_come_from_passes_and_the_end_of_the_run_uses_every_image():
     assert p.passes >= 4
 
 
+def test_a_pass_smaller_than_a_batch_stops_naming_the_fields():
+    n = 100
+    augment = BatchAugment(load_recipe("cifar10-94-cpu").augment, n, (32, 32), torch.Generator(), CPU)
+    p = LossPruner(n, 0.9, full_from_step=10 ** 6, device=CPU)
+    gen = torch.Generator().manual_seed(0)
+    p.batch(90, 0, gen, augment)
+    p.record(torch.arange(90, dtype=torch.float32))          # most images seen are easy: the next pass is small
+    with pytest.raises(RecipeError, match=r"data\.prune=0\.9 .* data\.batch_size=90"):
+        p.batch(90, 1, gen, augment)
+
+
 def _weighted_step(weights):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GELU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10)).double()

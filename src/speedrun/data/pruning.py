@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ..errors import RecipeError
+
 
 class LossPruner:
     """The per-image losses and the current pass of one run, on ``device``."""
@@ -62,7 +64,8 @@ class LossPruner:
             self.plan(generator, full=step >= self.full_from_step)
             self.draws = augment.draw(self.passes - 1)
             if batch_size > len(self.order):
-                raise ValueError(f"a pruned pass kept {len(self.order)} images, fewer than a batch of {batch_size}")
+                raise RecipeError(f"data.prune={self.fraction} left a pass of {len(self.order)} of {self.n} images, "
+                                  f"fewer than data.batch_size={batch_size}: lower data.prune or data.batch_size")
         idx = self.order[self.next:self.next + batch_size]
         self.next += batch_size
         self.current = idx
