@@ -146,6 +146,43 @@ def test_dynamo_limits_are_set_under_either_name():
     assert (new.recompile_limit, new.fail_on_recompile_limit_hit) == (64, True) and old.cache_size_limit == 64
 
 
+def test_inductor_loop_reordering_is_turned_off_only_where_fused_nodes_assert():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.scheduler import FusedSchedulerNode
+
+    class Asserting:                     # the shape of torch 2.11's method: asserts on a fused child
+        snodes = ()
+
+        def reorder_loops_by_dep_pair(self, self_dep, other_dep):
+            for snode in self.snodes:
+                assert isinstance(snode, SchedulerNode)  # noqa: F821
+            return False
+
+    class Declining:                     # the shape of torch 2.13's: declines first, asserts later
+        snodes = ()
+
+        def reorder_loops_by_dep_pair(self, self_dep, other_dep):
+            for snode in self.snodes:
+                if not isinstance(snode, SchedulerNode):  # noqa: F821
+                    return False
+            for snode in self.snodes:
+                assert isinstance(snode, SchedulerNode)  # noqa: F821
+            return True
+
+    class Config:
+        loop_ordering_after_fusion = True
+    assert compat.fused_reorder_asserts(Asserting) and not compat.fused_reorder_asserts(Declining)
+    assert not compat.fused_reorder_asserts(object)
+    on, off = Config(), Config()
+    assert compat.avoid_fused_reorder_assert(off, Asserting) and off.loop_ordering_after_fusion is False
+    assert compat.avoid_fused_reorder_assert(on, Declining) is None and on.loop_ordering_after_fusion is True
+    # the tested releases decline, so a compiled run there keeps inductor's setting untouched
+    before = inductor_config.loop_ordering_after_fusion
+    assert not compat.fused_reorder_asserts(FusedSchedulerNode)
+    assert compat.avoid_fused_reorder_assert(inductor_config, FusedSchedulerNode) is None
+    assert inductor_config.loop_ordering_after_fusion == before
+
+
 SYNC_BN = """
 import os, sys, torch, torch.distributed as dist
 import torch._dynamo as dynamo

@@ -6,8 +6,10 @@ nothing older has run a test; on an older torch these detections pick the equiva
 spelling where there is one (what each falls back to is said beside it)."""
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 
 import torch
 
@@ -70,3 +72,42 @@ def cpu_bf16_units() -> tuple[str, ...]:
         except RuntimeError:
             pass
     return tuple(units)
+
+
+def _is_scheduler_node_check(test) -> bool:
+    """``isinstance(..., SchedulerNode)`` as an expression tree."""
+    return (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+            and len(test.args) == 2 and isinstance(test.args[1], ast.Name) and test.args[1].id == "SchedulerNode")
+
+
+def fused_reorder_asserts(fused_node_cls) -> bool:
+    """Whether inductor's loop reordering of an already fused node (``reorder_loops_by_dep_pair``
+    of ``fused_node_cls``) asserts that each node it holds is a plain ``SchedulerNode`` without
+    first declining (returning False) where one is not. torch 2.11's asserts, and a compiled
+    imagenette step on an H200 stopped there (benchmarks/results/gpu-smoke-h200-torch-2.11-5a1d71f.json);
+    2.13's checks ``if not isinstance(snode, SchedulerNode): return False`` first. Read from the
+    method's own code; False where the method or its source is missing."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fused_node_cls.reorder_loops_by_dep_pair)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return False
+    asserts = declines = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert) and _is_scheduler_node_check(node.test):
+            asserts = True
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not)
+                and _is_scheduler_node_check(node.test.operand)):
+            declines = True
+    return asserts and not declines
+
+
+def avoid_fused_reorder_assert(config, fused_node_cls) -> str | None:
+    """Turn inductor's loop reordering after fusion off (``config.loop_ordering_after_fusion``)
+    where this release's fused-node reordering asserts (``fused_reorder_asserts``): a few
+    fusions are lost instead of the compile. Returns what was done, for the run record, or None
+    where nothing needed doing (every tested release)."""
+    if not getattr(config, "loop_ordering_after_fusion", False) or not fused_reorder_asserts(fused_node_cls):
+        return None
+    config.loop_ordering_after_fusion = False
+    return ("inductor: loop reordering after fusion off (this torch's fused-node reordering asserts "
+            "instead of declining; torch 2.13 and later decline)")

@@ -108,6 +108,12 @@ class Runtime:
         if self.compile:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
+            if self.compile_backend == "inductor":
+                from torch._inductor import config as inductor_config
+                from torch._inductor.scheduler import FusedSchedulerNode
+                done = compat.avoid_fused_reorder_assert(inductor_config, FusedSchedulerNode)
+                if done:
+                    runtime = replace(runtime, choices=runtime.choices + (done,))
         return runtime
 
     def mark_step(self) -> None:
