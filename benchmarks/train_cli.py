@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,9 @@ def main() -> int:
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + runs - 1")
     p.add_argument("--data-dir")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--keep-runs", type=Path,
+                   help="copy each run's folder (config, metrics, summary, weights) to KEEP_RUNS/run<i> "
+                        "after its process ended (outside the timed region), e.g. for benchmarks/tta_views.py")
     p.add_argument("--cold-cache", action="store_true",
                    help="each run with an empty decoded-folder cache and an empty compile cache (the "
                         "decoding and any compiling are in the timed process)")
@@ -65,6 +69,8 @@ def main() -> int:
             if proc.returncode:
                 print(proc.stderr, file=sys.stderr)
                 return proc.returncode
+            if args.keep_runs:
+                shutil.copytree(folder, args.keep_runs / f"run{i}", dirs_exist_ok=False)
             runs.append({"process_wall_seconds": wall, "summary": summary, "metrics": metrics,
                          "stdout_head": proc.stdout.splitlines()[:8]})
             print(f"run {i}: test_acc {summary['test_acc']:.4f}, process wall {wall:.1f} s, "

@@ -14,6 +14,8 @@ import argparse
 import time
 from pathlib import Path
 
+import torch.nn.functional as F
+
 from speedrun.engine import evaluate as ev
 from speedrun.files import atomic_write_json
 from speedrun.report.environment import environment, git_state
@@ -21,6 +23,17 @@ from speedrun.use.evaluate import open_test_set
 from speedrun.use.loaded import load_run
 
 SHIFTS = [(1, 1), (-1, -1), (1, -1), (-1, 1)]
+
+
+def _resized(size: int):
+    """The image resized to ``size`` px (bilinear): a view at another scale. The speed net ends
+    in a global max pool, so it takes any size; low-resolution early epochs (data.progressive)
+    trained it on smaller objects than the test set's."""
+    def view(x):
+        return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    return view
+
+
 CANDIDATES = {
     # the plain and mirrored views at 1/4 each, then all four diagonal one-pixel shifts, each
     # also mirrored, sharing the other half
@@ -28,10 +41,23 @@ CANDIDATES = {
     + [(0.5 / 8, view) for d in SHIFTS for view in (ev._shift(*d), ev._compose(ev._shift(*d), ev._mirror))],
     # the engine's six views with equal weights
     "flip_translate_equal": [(1 / 6, view) for _, view in ev.TTA_VIEWS["flip_translate"]],
+    # the engine's six views at 3/4 of the weight, the image (and its mirror) enlarged to 36 px
+    # at the rest: a second scale
+    "flip_translate_up36": [(0.75 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
+    + [(0.125, _resized(36)), (0.125, ev._compose(_resized(36), ev._mirror))],
+    # the same with the image shrunk to 28 px (a size the early epochs trained at)
+    "flip_translate_down28": [(0.75 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
+    + [(0.125, _resized(28)), (0.125, ev._compose(_resized(28), ev._mirror))],
+    # both scales
+    "flip_translate_scales": [(0.5 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
+    + [(0.125, v) for v in (_resized(36), ev._compose(_resized(36), ev._mirror),
+                            _resized(28), ev._compose(_resized(28), ev._mirror))],
 }
 VARIANTS = [("none", 1.0), ("flip", 1.0), ("flip_translate", 0.25), ("flip_translate", 0.5),
             ("flip_translate", 1.0), ("flip_translate8", 0.25), ("flip_translate8", 0.5),
-            ("flip_translate_equal", 0.25)]
+            ("flip_translate_equal", 0.25), ("flip_translate_up36", 0.25), ("flip_translate_up36", 1.0),
+            ("flip_translate_down28", 0.25), ("flip_translate_down28", 1.0), ("flip_translate_scales", 0.25),
+            ("flip_translate_scales", 1.0)]
 
 
 def variants_of(run_dir: Path) -> dict:
@@ -55,7 +81,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", default="", help="variants whose view set contains this text (default: all)")
     args = p.parse_args()
+    VARIANTS[:] = [v for v in VARIANTS if args.only in v[0]]
     for name, views in CANDIDATES.items():
         ev.TTA_VIEWS.setdefault(name, views)
     record = {"benchmark": "tta_views", "timed": "evaluate() over the run's test set per variant, same weights",
