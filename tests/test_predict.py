@@ -273,5 +273,6 @@ def test_tta_views_benchmark_evaluates_the_saved_weights_as_the_run_did(evaluate
     assert rows[("flip_translate", 1.0)]["test_acc"] == summary["test_acc"]
     assert rows[("none", 1.0)]["test_acc"] == summary["test_acc_no_tta"]
     assert {v["test_acc_no_tta"] for v in rows.values()} == {summary["test_acc_no_tta"]}
-    assert rows[("flip_translate8", 0.25)]["views"] == 10 and len(rows) == 8
+    assert rows[("flip_translate8", 0.25)]["views"] == 10 and rows[("flip_translate_scales", 1.0)]["views"] == 10
+    assert len(rows) == 14                                    # every variant, the resized views' too
     assert record["environment"]["git_commit"] and digests(run) == before
