@@ -54,6 +54,10 @@ def main() -> int:
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])
     args.extra = argv[cut + 1:]
+    kept = [args.keep_runs / f"run{i}" for i in range(args.runs)] if args.keep_runs else []
+    taken = [k for k in kept if k.exists()]
+    if taken:                                        # refused before any run, not after the first
+        p.error(f"--keep-runs: {taken[0]} exists; give an empty or new folder")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):

@@ -34,6 +34,14 @@ def _resized(size: int):
     return view
 
 
+def _with_scales(sizes: tuple[int, ...], share: float) -> list:
+    """The engine's six views at ``1 - share`` of the weight; the image resized to each of
+    ``sizes`` px, and its mirror, sharing the rest equally."""
+    extra = [v for size in sizes for v in (_resized(size), ev._compose(_resized(size), ev._mirror))]
+    return [((1 - share) * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]] + \
+        [(share / len(extra), view) for view in extra]
+
+
 CANDIDATES = {
     # the plain and mirrored views at 1/4 each, then all four diagonal one-pixel shifts, each
     # also mirrored, sharing the other half
@@ -41,17 +49,11 @@ CANDIDATES = {
     + [(0.5 / 8, view) for d in SHIFTS for view in (ev._shift(*d), ev._compose(ev._shift(*d), ev._mirror))],
     # the engine's six views with equal weights
     "flip_translate_equal": [(1 / 6, view) for _, view in ev.TTA_VIEWS["flip_translate"]],
-    # the engine's six views at 3/4 of the weight, the image (and its mirror) enlarged to 36 px
-    # at the rest: a second scale
-    "flip_translate_up36": [(0.75 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
-    + [(0.125, _resized(36)), (0.125, ev._compose(_resized(36), ev._mirror))],
-    # the same with the image shrunk to 28 px (a size the early epochs trained at)
-    "flip_translate_down28": [(0.75 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
-    + [(0.125, _resized(28)), (0.125, ev._compose(_resized(28), ev._mirror))],
-    # both scales
-    "flip_translate_scales": [(0.5 * w, view) for w, view in ev.TTA_VIEWS["flip_translate"]]
-    + [(0.125, v) for v in (_resized(36), ev._compose(_resized(36), ev._mirror),
-                            _resized(28), ev._compose(_resized(28), ev._mirror))],
+    # a second scale at a quarter of the weight: enlarged to 36 px, or shrunk to 28 px (a size
+    # the early epochs trained at); both at half
+    "flip_translate_up36": _with_scales((36,), 0.25),
+    "flip_translate_down28": _with_scales((28,), 0.25),
+    "flip_translate_scales": _with_scales((36, 28), 0.5),
 }
 VARIANTS = [("none", 1.0), ("flip", 1.0), ("flip_translate", 0.25), ("flip_translate", 0.5),
             ("flip_translate", 1.0), ("flip_translate8", 0.25), ("flip_translate8", 0.5),

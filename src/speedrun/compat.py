@@ -80,13 +80,15 @@ def _is_scheduler_node_check(test) -> bool:
             and len(test.args) == 2 and isinstance(test.args[1], ast.Name) and test.args[1].id == "SchedulerNode")
 
 
+@functools.cache
 def fused_reorder_asserts(fused_node_cls) -> bool:
     """Whether inductor's loop reordering of an already fused node (``reorder_loops_by_dep_pair``
     of ``fused_node_cls``) asserts that each node it holds is a plain ``SchedulerNode`` without
     first declining (returning False) where one is not. torch 2.11's asserts, and a compiled
     imagenette step on an H200 stopped there (benchmarks/results/gpu-smoke-h200-torch-2.11-5a1d71f.json);
     2.13's checks ``if not isinstance(snode, SchedulerNode): return False`` first. Read from the
-    method's own code; False where the method or its source is missing."""
+    method's own code, once per class (every compiled run's activation asks); False where the
+    method or its source is missing."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fused_node_cls.reorder_loops_by_dep_pair)))
     except (AttributeError, OSError, TypeError, SyntaxError):
