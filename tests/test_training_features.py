@@ -155,6 +155,44 @@ def test_progressive_resizing_sizes_and_batches(data_dir, tmp_path):
     assert {s for t, s in seen if t} == {16} and {s for t, s in seen if not t} == {28}
 
 
+def test_low_res_crop_cuts_windows_at_the_test_scale():
+    """augment.low_res = crop: a smaller progressive batch is a random window of the translated
+    image (pixels unchanged), every offset of the padded image reachable; resize keeps the
+    whole image at a smaller scale."""
+    from speedrun.data.augment import BatchAugment, reflect_pad
+    from speedrun.recipe import AugmentConfig
+    n, t = 4000, 2
+    x = torch.arange(n * 32 * 32, dtype=torch.float32).reshape(n, 1, 32, 32)
+    padded = reflect_pad(x, t)
+    cfg = AugmentConfig(flip="none", translate=t, low_res="crop")
+    aug = BatchAugment(cfg, n, (32, 32), torch.Generator().manual_seed(0), torch.device("cpu"))
+    r = aug.draw(0)
+    idx = torch.arange(n)
+    out = aug(padded, idx, r, 24)
+    assert out.shape == (n, 1, 24, 24)
+    for i in range(0, n, 10):
+        top, left = int(r["win_y"][i] * 13), int(r["win_x"][i] * 13)     # 36 - 24 + 1 places
+        assert torch.equal(out[i], padded[i, :, top:top + 24, left:left + 24])
+    spots = set(zip((r["win_y"] * 13).long().tolist(), (r["win_x"] * 13).long().tolist()))
+    assert len(spots) == 13 * 13                       # every place is reached
+    full = aug(padded[:8], idx[:8], r, None)                 # the full size: the translation alone
+    assert full.shape[-1] == 32 and torch.equal(full[0], padded[0, :, r["top"][0]:r["top"][0] + 32,
+                                                                 r["left"][0]:r["left"][0] + 32])
+    with pytest.raises(ValueError, match="augment.crop = translate"):
+        AugmentConfig(crop="random_resized", low_res="crop")
+    with pytest.raises(Exception, match="augment.low_res"):
+        load_recipe("imagenette", ["augment.crop=translate", "augment.low_res=crop"])
+
+
+def test_low_res_crop_trains_and_learns(fashion_small, tmp_path):
+    """A progressive run with windows instead of resized images, end to end through the CLI."""
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "run", *TINY,
+             "--set", "train.epochs=16", "--set", "augment.low_res=crop", "--set", "augment.translate=2",
+             "--set", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]")
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["test_acc"] > 0.4                           # chance: 10%
+
+
 # ------------------------------------------------------------------------- distillation
 def test_distillation_loss_is_temperature_scaled_kl():
     s, t = torch.randn(5, 4), torch.randn(5, 4)

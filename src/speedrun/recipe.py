@@ -94,6 +94,11 @@ class AugmentConfig(Section):
     flip: Literal["none", "random", "alternating"] = "random"
     crop: Literal["translate", "random_resized"] = "translate"
     translate: int = Field(0, ge=0, le=16, description="random-crop shift in pixels (reflect padding)")
+    low_res: Literal["resize", "crop"] = Field(
+        "resize", description="how data.progressive makes its smaller training batches: resize (the whole "
+        "image, antialiased bilinear: objects smaller than at test time) or crop (a random window of that "
+        "size from the translated image: objects at the test-time scale, part of each image); crop needs "
+        "augment.crop = translate and device-resident data")
     rrc_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     rrc_ratio: tuple[float, float] = Field((0.75, 4 / 3), description="random-resized-crop aspect range")
     rrc_antialias: bool = Field(False, description="random-resized crops cut on the device from images stored "
@@ -117,6 +122,9 @@ class AugmentConfig(Section):
             raise ValueError("augment.rrc_scale must be 0 < low <= high <= 1")
         if not 0 < self.rrc_ratio[0] <= self.rrc_ratio[1]:
             raise ValueError("augment.rrc_ratio must be 0 < low <= high")
+        if self.low_res == "crop" and self.crop != "translate":
+            raise ValueError("augment.low_res = crop cuts windows from translated images: it needs "
+                             "augment.crop = translate")
         return self
 
 
@@ -385,6 +393,9 @@ class Recipe(Section):
         if self.data.prune and self.data.dataset in ("folder", "imagenette"):
             raise ValueError(f"data.prune={self.data.prune} keeps a loss per image of device-resident data "
                              "(cifar10, cifar100, fashion-mnist, npz); image folders are streamed: set data.prune=0")
+        if a.low_res == "crop" and self.data.dataset in ("folder", "imagenette"):
+            raise ValueError("augment.low_res = crop cuts windows from device-resident images (cifar10, "
+                             "cifar100, fashion-mnist, npz); image folders are streamed: set augment.low_res = resize")
         if self.data.prune and (a.mixup or a.cutmix):
             raise ValueError(f"data.prune={self.data.prune} weighs each image's own loss, which mixed images "
                              "(augment.mixup, augment.cutmix) do not have: turn one of them off")

@@ -91,6 +91,10 @@ class BatchAugment:
         cfg, r = self.cfg, {}
         if self.translate:
             r["top"], r["left"] = self._ints(2 * self.translate + 1), self._ints(2 * self.translate + 1)
+        if cfg.low_res == "crop":
+            # where a smaller (progressive) batch's window sits, as fractions of the free room
+            r["win_y"] = torch.rand(self.n, generator=self.gen, device=self.device)
+            r["win_x"] = torch.rand(self.n, generator=self.gen, device=self.device)
         if self.resized_crop:
             r["boxes"] = sample_rrc_boxes(self.n, *self.input_size, cfg.rrc_scale, cfg.rrc_ratio, self.gen, self.device)
         if cfg.flip == "random":
@@ -113,8 +117,15 @@ class BatchAugment:
                  size: int | None = None) -> torch.Tensor:
         """Augment a batch; ``size``: the side of the random-resized crops when it is not the
         training size (progressive resizing cuts them straight at the epoch's size)."""
-        if "top" in r:
-            t = self.translate
+        t = self.translate
+        if "win_y" in r and size and size < x.shape[2] - 2 * t:
+            # low_res = crop: one random size x size window anywhere in the padded image (the
+            # translation and the window in one cut), instead of the whole image resized
+            room_y, room_x = x.shape[2] - size, x.shape[3] - size
+            top = (r["win_y"][idx] * (room_y + 1)).long().clamp_(max=room_y)
+            left = (r["win_x"][idx] * (room_x + 1)).long().clamp_(max=room_x)
+            x = crop(x, top, left, (size, size))
+        elif "top" in r:
             x = crop(x, r["top"][idx], r["left"][idx], (x.shape[2] - 2 * t, x.shape[3] - 2 * t))
         if "boxes" in r:
             out = (size, size) if size else self.size
