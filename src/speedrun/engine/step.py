@@ -187,7 +187,12 @@ class TrainStep:
             for p in self.freezable:
                 p.requires_grad_(needed)
         copy_outputs = self.k > 1 and self.rt.cuda_graphs     # the next replay would overwrite them
-        weights = self.pruner.batch_weights().tensor_split(self.k) if self.pruner is not None else [None] * self.k
+        if self.pruner is not None:
+            weights = self.pruner.batch_weights().tensor_split(self.k)
+        elif self.r.data.prune:       # the warm-up: the weighted graph the run will use (no recompile)
+            weights = torch.ones(len(x), device=x.device).tensor_split(self.k)
+        else:
+            weights = [None] * self.k
         per_image = []
         for i, (xm, ym, wm) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k), weights)):
             with self.no_sync() if i < self.k - 1 else nullcontext():
