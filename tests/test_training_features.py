@@ -84,11 +84,17 @@ def killed_at_first_checkpoint(args: list, run) -> dict:
     return torch.load(run / "checkpoint.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])        # eager: what "auto" is on CPUs without and with bf16
-def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision):
+# eager: what "auto" is on CPUs without and with bf16; low-resolution windows (augment.low_res =
+# crop) drawn per epoch, resumed in the middle of a 20 px epoch
+@pytest.mark.parametrize("precision, extra", [
+    ("fp32", []), ("bf16", []),
+    ("fp32", ["augment.translate=2", "augment.low_res=crop", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"])],
+    ids=["fp32", "bf16", "fp32-low-res-windows"])
+def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision, extra):
     # (bf16 on a narrower net for half as long: on CPUs without native bf16 it is emulated, ~50x slower)
     size = ["train.epochs=4", "model.widths=[32,64,64]"] if precision == "fp32" else ["train.epochs=2",
                                                                                      "model.widths=[16,32,32]"]
+    size += extra
     args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--seed", "4", *TINY,
             *sum((["--set", s] for s in size), []), "--set", f"runtime.precision={precision}",
             "--set", "data.batch_size=32",
@@ -157,8 +163,8 @@ def test_progressive_resizing_sizes_and_batches(data_dir, tmp_path):
 
 def test_low_res_crop_cuts_windows_at_the_test_scale():
     """augment.low_res = crop: a smaller progressive batch is a random window of the translated
-    image (pixels unchanged), every offset of the padded image reachable; resize keeps the
-    whole image at a smaller scale."""
+    image (pixels unchanged), every offset of the padded image reachable; at the full size the
+    translation alone."""
     from speedrun.data.augment import BatchAugment, reflect_pad
     from speedrun.recipe import AugmentConfig
     n, t = 4000, 2

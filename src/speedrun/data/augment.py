@@ -116,7 +116,8 @@ class BatchAugment:
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, r: dict[str, torch.Tensor],
                  size: int | None = None) -> torch.Tensor:
         """Augment a batch; ``size``: the side of the random-resized crops when it is not the
-        training size (progressive resizing cuts them straight at the epoch's size)."""
+        training size (progressive resizing cuts them straight at the epoch's size), or with
+        ``low_res = crop`` the side of the window cut from the padded images."""
         t = self.translate
         if "win_y" in r and size and size < x.shape[2] - 2 * t:
             # low_res = crop: one random size x size window anywhere in the padded image (the
