@@ -390,10 +390,11 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_checks(self):
         a = self.augment
-        if self.data.prune and self.data.dataset in ("folder", "imagenette"):
+        streamed = self.data.dataset in ("folder", "imagenette")      # decoded in workers, not resident
+        if self.data.prune and streamed:
             raise ValueError(f"data.prune={self.data.prune} keeps a loss per image of device-resident data "
                              "(cifar10, cifar100, fashion-mnist, npz); image folders are streamed: set data.prune=0")
-        if a.low_res == "crop" and self.data.dataset in ("folder", "imagenette"):
+        if a.low_res == "crop" and streamed:
             raise ValueError("augment.low_res = crop cuts windows from device-resident images (cifar10, "
                              "cifar100, fashion-mnist, npz); image folders are streamed: set augment.low_res = resize")
         if self.data.prune and (a.mixup or a.cutmix):
