@@ -37,8 +37,45 @@ def torchrun_cmd(*args, nproc: int = 2, launcher=()) -> list[str]:
             "--nproc-per-node", str(nproc), "-m", "speedrun", "train", *map(str, args)]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), from /proc."""
+    parents = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        parents[int(p)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        this = todo.pop(0)
+        kids = [p for p, parent in parents.items() if parent == this]
+        out += kids
+        todo += kids
+    return out
+
+
 def run(cmd, timeout=300, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, **kw)
+    """``cmd`` to the end. One that hangs past ``timeout`` fails the test with the Python stack of
+    every thread of every process it started (PYTHONFAULTHANDLER: each dumps them on SIGABRT),
+    so that a rare hang in CI can be read from its log."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env(PYTHONFAULTHANDLER="1"), **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*reversed(descendants(proc.pid)), proc.pid]:       # the deepest first
+                try:
+                    os.kill(pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"hung for {timeout} s: {' '.join(map(str, cmd))}\n{out[-3000:]}\n{err[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def single(*args, timeout=300):

@@ -12,6 +12,7 @@ import torch
 
 from speedrun.data import DataError
 from speedrun.errors import RunFolderError
+from speedrun.recipe import load_recipe
 from speedrun.data.arrays import load_npz, open_npz
 from speedrun.data.folder import decode, folder_splits, scan, split
 from speedrun.data.prepare import export, prepare, worker_pool
@@ -136,6 +137,46 @@ def test_the_decoding_and_writing_workers_are_not_forked_from_this_process():
         server = pool.apply(os.getppid)
         assert server != os.getpid()
         assert len(os.listdir(f"/proc/{server}/task")) == 1      # the fork server has one thread
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """Every process on this machine: pid -> (name, parent pid), from /proc."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:                                   # ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(pid)] = (name, int(rest[1]))
+    return out
+
+
+def test_the_streamed_loaders_workers_are_not_forked_from_the_training_process(jpeg_dir):
+    # a data-parallel run has gloo's threads running when its loaders start their workers; a fork
+    # could copy a lock one of them holds into a worker that then waits forever (one such run
+    # hung in CI): the workers come from the fork server, as prepare's do
+    from speedrun.data.dataset import open_pipeline, open_source
+    from speedrun.data.augment import BatchAugment
+    from speedrun.engine.runtime import resolve_runtime
+    recipe, source = open_source(load_recipe("folder", [f"data.path={jpeg_dir}", "data.workers=2",
+                                                        "model.widths=[8,16,16]", "data.batch_size=128"]))
+    runtime = resolve_runtime(recipe.runtime, torch.device("cpu"))
+    data = open_pipeline(source, recipe, runtime, seed=0)
+    torch.ones(512, 512) @ torch.ones(512, 512)           # this process has torch's threads running
+    gen = torch.Generator().manual_seed(0)
+    augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, runtime.device, resized_crop=False)
+    batches = data.epoch(0, recipe.data.batch_size, augment, gen)
+    x, y = next(batches)
+    assert x.shape == (128, 3, 32, 32) and y.shape == (128,)
+    procs, me = _processes(), os.getpid()
+    workers = [pid for pid, (name, parent) in procs.items()
+               if name == "pt_data_worker" and procs.get(parent, ("", 0))[1] == me]
+    assert len(workers) >= 2                              # grandchildren: the train loader's two
+    assert not [pid for pid, (name, parent) in procs.items() if name == "pt_data_worker" and parent == me]
+    server = procs[workers[0]][1]
+    assert len(os.listdir(f"/proc/{server}/task")) == 1   # forked from a single-threaded server
+    batches.close()
 
 
 def test_prepare_with_a_corrupt_image_in_a_real_process_names_it_or_skips_it(jpeg_dir, tmp_path):

@@ -26,7 +26,7 @@ from .cache import open_cached, use_cache
 from .choices import choose, default_eval_crop, small_image_size
 from .resident import ResidentData
 from .shard import Shard
-from .stream import StreamedData, sample_stats
+from .stream import StreamedData, default_workers, sample_stats, start_worker_server
 
 
 @dataclass
@@ -157,7 +157,12 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
                                        eval_size=smallest)
             ds.choices = reasons + [why]
             return recipe, ds
+        workers = default_workers(d.workers) > 0
+        if workers:
+            start_worker_server()                   # (its imports overlap the sampling below)
         mean, std = sample_stats(train, channels, d.image_size, d.decoder)
+        if workers:
+            start_worker_server(wait=True)
         src = FolderSource(train, val, channels, d.image_size, mean, std, str(d.path), evaluate)
         src.choices = reasons + [why] if reasons else []
         return recipe, src

@@ -9,7 +9,6 @@ the folder pipeline on known data.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.pool
 import os
 import shutil
@@ -27,7 +26,7 @@ from ..errors import DataError, RunFolderError
 from ..files import check_output_file, check_output_folder, disk_error, make_folder
 from .folder import ImageList, folder_splits, probe
 from .builtin import load_dataset
-from .stream import Decoding, ImageItems, Unreadable, default_workers
+from .stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
 
 DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
 DEVICE_BATCH = 256
@@ -37,11 +36,9 @@ _items: ImageItems | None = None
 
 
 def worker_pool(workers: int, initializer=None, initargs=()) -> multiprocessing.pool.Pool:
-    """A pool of ``workers`` processes that are never forked from this one: a fork server (a
-    fresh, single-threaded interpreter started by fork and exec) forks each of them. Forking
-    this process could copy a lock held by one of its threads (torch's, the progress bar's)
-    into a child that would then wait on it forever. What the workers receive is pickled."""
-    return mp.get_context("forkserver").Pool(workers, initializer=initializer, initargs=initargs)
+    """A pool of ``workers`` processes that are never forked from this one (see
+    :func:`.stream.worker_context`)."""
+    return worker_context().Pool(workers, initializer=initializer, initargs=initargs)
 
 
 def _init_worker(items: ImageItems) -> None:

@@ -13,6 +13,8 @@ exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import random
 from dataclasses import dataclass
@@ -32,6 +34,31 @@ from .shard import Shard
 
 def default_workers(requested: int) -> int:
     return min(8, os.cpu_count() or 1) if requested < 0 else requested
+
+
+def worker_context():
+    """Where worker processes come from: a fork server (a fresh, single-threaded interpreter
+    started by fork and exec, with this module and so torch, numpy and Pillow imported once)
+    forks each of them. Forking this process itself could copy a lock held by one of its
+    threads (gloo's when training is split over processes, the pin-memory thread's, a progress
+    bar's) into a child that then waits on it forever: a data-parallel run over an image folder
+    hung so once in CI. What the workers receive is pickled; a script that starts them must
+    keep its own work under ``if __name__ == "__main__":`` (each worker imports the script)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])     # only read when the server starts
+    return ctx
+
+
+def start_worker_server(wait: bool = False) -> None:
+    """Start the fork server (its imports take about a second) so that they overlap what this
+    process does next; ``wait``: return only once it serves, by forking a child that does
+    nothing (so that a run's clock, started later, does not count the server's start)."""
+    ctx = worker_context()
+    mp.forkserver.ensure_running()
+    if wait:
+        child = ctx.Process(target=int, daemon=True)
+        child.start()
+        child.join()
 
 
 def _hwc(img: np.ndarray) -> torch.Tensor:
@@ -216,7 +243,8 @@ class StreamedData:
         self.skipped = 0
         workers = default_workers(cfg.workers)
         self.common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
-                           persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+                           persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
+                           multiprocessing_context=worker_context() if workers else None)
         self.train_items = ImageItems(source.train, Decoding.for_training(source.channels, cfg, aug, seed))
         self.val_items = ImageItems(source.val, Decoding.for_evaluation(source.channels, cfg))
         self.train_sampler = EpochSampler(len(source.train), cfg.batch_size, seed, True, source.size, shard)
@@ -268,7 +296,7 @@ class StreamedData:
                                                              skip_corrupt=d.skip_corrupt))
         sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
-                            collate_fn=collate)
+                            collate_fn=collate, multiprocessing_context=self.common["multiprocessing_context"])
         batches = []
         for x, _, _, _ in loader:
             if isinstance(x, Unreadable):
