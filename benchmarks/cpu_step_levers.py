@@ -76,6 +76,7 @@ def main() -> int:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--set", dest="sets", action="append", default=[])
     args = p.parse_args()
+    env = environment()      # (the commit that runs, read before it runs)
     recipe = load_recipe(args.recipe, args.sets)
     rt = resolve_runtime(recipe.runtime, torch.device("cpu"), recipe.model.name).activate()
     if rt.precision != "bf16":
@@ -138,7 +139,7 @@ def main() -> int:
                        "the two settings step by step on one real batch per training size, the first of each untimed; "
                        "then the 3x3 weight gradient alone per shape, medians of 5 calls",
               "steps_per_setting": args.steps, "levers": rows, "weight_grad_shapes": shapes,
-              "weight_grad_choices": choices, "environment": environment()}
+              "weight_grad_choices": choices, "environment": env}
     atomic_write_json(args.out, record)
     print(f"record: {args.out}")
     return 0

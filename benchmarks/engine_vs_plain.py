@@ -122,6 +122,7 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], dest="sets")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    env = environment()      # (the commit that runs, read before it runs)
     recipe = load_recipe(args.recipe, args.sets)
     engines = {"speedrun": speedrun_engine(recipe, args.data_dir, args.precision),
                "plain": plain_engine(recipe, args.data_dir, args.precision)}
@@ -141,7 +142,7 @@ def main() -> int:
               "precision": args.precision, "threads": torch.get_num_threads(), "steps_per_block": args.block,
               "blocks": args.blocks, "seconds_per_step": seconds, "median_seconds_per_step": med,
               "speedrun_over_plain": med["speedrun"] / med["plain"],
-              "speedrun_over_plain_90pct_bootstrap": [low, high], "environment": environment()}
+              "speedrun_over_plain_90pct_bootstrap": [low, high], "environment": env}
     atomic_write_json(args.out, record)
     print(f"speedrun/plain = {med['speedrun'] / med['plain']:.3f} (90% bootstrap {low:.3f}-{high:.3f})")
     return 0

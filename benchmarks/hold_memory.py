@@ -61,6 +61,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv[:cut])
+    env = environment()      # (the commit that runs, read before it runs)
     command = argv[cut + 1:]
     if not command or command[0] not in ("flops", "train"):
         p.error("after --: a `speedrun flops ...` or `speedrun train ...` command line (without `speedrun`)")
@@ -87,7 +88,7 @@ def main() -> int:
         "rounds": args.rounds,
         "runs": rows,
         "medians": medians,
-        "environment": environment(),
+        "environment": env,
     }
     atomic_write_json(args.out, record)
     print(json.dumps(medians, indent=1))

@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--epochs", type=float, default=1.0, help="epochs of each timed training run")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    env = environment()      # (the commit that runs, read before it runs)
     base = load_recipe(args.recipe)
     size, evaluate = base.data.image_size, base.data.eval_size
     record = {"benchmark": "photo folder input: decode once vs stream", "folder": args.folder,
@@ -108,7 +109,7 @@ def main() -> int:
                 record["training"].append(row)
                 print(f"training {args.epochs:g} epoch(s) at {size} px, cache {cache}: {row['images_per_s']:.1f} images/s "
                       f"({row['epoch_seconds']:.1f} s)")
-    record["environment"] = environment()
+    record["environment"] = env
     atomic_write_json(args.out, record)
     return 0
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from speedrun.data.augment import BatchAugment, reflect_pad
 from speedrun.data.folder import folder_splits
-from speedrun.data.stream import Decoding, EpochSampler, ImageItems, collate
+from speedrun.data.stream import Decoding, EpochSampler, ImageItems, collate, worker_context
 from speedrun.recipe import AugmentConfig
 from speedrun.report.environment import environment
 from speedrun.files import atomic_write_json
@@ -79,7 +79,7 @@ def speedrun_batches(images, size, crop, decoder, workers, batch):
                                         (3 / 4, 4 / 3), decoder=decoder))
     sampler = EpochSampler(len(images), batch, 0, True, size)
     loader = DataLoader(items, batch_sampler=sampler, num_workers=workers, collate_fn=collate,
-                        persistent_workers=True, prefetch_factor=4)
+                        persistent_workers=True, prefetch_factor=4, multiprocessing_context=worker_context())
     cfg = AugmentConfig(flip="random", crop="translate" if crop == "translate" else "random_resized", translate=4)
     aug = BatchAugment(cfg, len(images), (size, size), torch.Generator().manual_seed(0), torch.device("cpu"),
                        resized_crop=False)
@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args()
+    env = environment()      # (the commit that runs, read before it runs)
     images, _ = folder_splits(args.folder, 0.0, 0)
     size = 32
     results = []
@@ -131,7 +132,7 @@ def main() -> int:
                                and r["pipeline"] == "speedrun (simplejpeg)")
                     / next(r["images_per_second"] for r in results if r["crop"] == crop
                            and r["pipeline"] == "plain per-sample pillow") for crop in ("translate", "rrc")},
-        "environment": environment(),
+        "environment": env,
     }
     atomic_write_json(args.out, record)
     return 0

@@ -53,6 +53,7 @@ def main() -> int:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])
+    environ = environment()      # (the commit that runs, read before it runs)
     args.extra = argv[cut + 1:]
     kept = [args.keep_runs / f"run{i}" for i in range(args.runs)] if args.keep_runs else []
     taken = [k for k in kept if k.exists()]
@@ -93,7 +94,7 @@ def main() -> int:
         "runs": runs,
         "summary": {"test_acc_min": min(accs), "test_acc_mean": sum(accs) / len(accs),
                     "process_wall_seconds_max": max(walls), "process_wall_seconds_mean": sum(walls) / len(walls)},
-        "environment": environment(),
+        "environment": environ,
     }
     atomic_write_json(args.out, record)
     print(json.dumps(record["summary"], indent=2))
