@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedrun.bench.structure import measure, profiled
+from speedrun.bench.structure import cuda_graph_inputs, measure, profiled
 from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.recipe import load_recipe
@@ -119,3 +119,38 @@ def test_fp16_gradient_overflow_with_a_finite_loss_is_skipped_on_the_device_and_
     assert torch.equal(err.value.last_good["head.weight"], start)      # epoch 1: every step undone
     # the epoch's 32 steps all ran (the loop looks at an epoch's flags once, at its end): 32 halvings
     assert float(session.step.scaler.scale) == 2.0 ** (16 - 32)
+
+
+@pytest.mark.parametrize("name, precision, sets", [
+    ("cifar10-94", "fp32", ["model.widths=[16,32,32]"]),
+    ("cifar10-94", "bf16", ["model.widths=[16,32,32]"]),
+    ("cifar10-94-fast", "bf16", ["model.widths=[16,32,32]"]),                # orthogonal filter updates
+    ("cifar10-94-cpu", "bf16", ["model.widths=[16,32,32]"]),                 # three sizes, pruning weights
+    ("dawnbench-resnet18", "bf16", ["model.width=8", "optim.name=lamb", "optim.lr=0.02"]),
+    ("cifar10-94", "bf16", ["model.widths=[16,32,32]", "optim.name=lars", "averaging.kind=ema",
+                            "averaging.decay=0.9"]),
+])
+def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, precision, sets, cifar_slice):
+    """Inductor runs a graph that mutates an input which is not a static address without CUDA
+    graphs. The optimizer update mutates every parameter, optimizer state and averaged tensor;
+    the step marks them static, and no two of them may share a storage (AOTAutograd's synthetic
+    base for such aliases drops the marks: the averaged weights were state_dict()'s detached
+    views of the parameters, and the whole update ran without CUDA graphs on an H200)."""
+    recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
+    graphs = cuda_graph_inputs(recipe, cifar_slice, precision)["graphs"]
+    update = max(graphs, key=lambda g: g["mutated"])
+    assert update["mutated"] > 40 and update["static"] >= update["mutated"], graphs    # the update: seen
+    for g in graphs:
+        assert g["shared_storage"] == [] and g["mutated_not_static"] == 0, g
+
+
+def test_in_fp16_the_unscaled_gradients_are_the_update_graphs_only_non_static_mutations(cifar_slice):
+    """Known and documented (docs/speed.md): fp16's loss scaling divides the gradients in place,
+    and the gradients are new tensors every step, so under CUDA graphs the fp16 update still runs
+    without them (the default on GPUs with bf16, and on CPUs, is not fp16)."""
+    recipe = load_recipe("cifar10-94", ["data.batch_size=256", "eval.batch_size=256", "model.widths=[16,32,32]"])
+    probe = cuda_graph_inputs(recipe, cifar_slice, "fp16")
+    graphs = probe["graphs"]
+    update = max(graphs, key=lambda g: g["mutated"])
+    assert update["mutated_not_static"] == probe["parameters"] and update["shared_storage"] == [], graphs
+    assert all(g["mutated_not_static"] == 0 for g in graphs if g is not update), graphs

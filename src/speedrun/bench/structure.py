@@ -191,3 +191,58 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
         "build_and_warm_up_seconds": build_seconds,
         "ms_per_step": ms,
     }
+
+
+def cuda_graph_inputs(recipe, source, precision: str = "fp32") -> dict:
+    """What CUDA graph trees would be given, graph by graph, for ``recipe``'s compiled step
+    and evaluation, measured on this CPU. The run is built as on CUDA (``cuda_graphs`` on, so
+    the step marks every parameter, optimizer and averaging tensor as a static address) and
+    compiled through AOTAutograd without code generation; for each forward or inference graph,
+    in compile order: its inputs, the static ones (AOTAutograd's ``static_input_indices``, what
+    inductor hands cudagraph trees), the inputs it mutates, and the mutated ones that are not
+    static. Inductor runs a graph with any of those last without CUDA graphs ("skipping
+    cudagraphs due to mutated inputs"). ``shared_storage``: groups of the graph's inputs that
+    are different tensors over one storage (AOTAutograd then merges them into a synthetic base
+    and its static marks are lost: the update's averaged weights did this while they were
+    ``state_dict()``'s detached views of the parameters). Returned as ``graphs``, with the
+    count of the step's ``parameters``."""
+    import dataclasses
+    import torch._dynamo as dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._guards import TracingContext
+    from ..engine.loop import Session
+    from ..engine.runtime import Runtime
+
+    graphs: list[dict] = []
+
+    def forward_compiler(gm, example_inputs):
+        meta = TracingContext.try_get().fw_metadata
+        static = set(meta.static_input_indices)
+        mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        graphs[-1].update(inputs=len(example_inputs), static=len(static), mutated=len(mutated),
+                          mutated_not_static=len([i for i in mutated if i not in static]))
+        return make_boxed_func(gm.forward)
+
+    aot = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+
+    def backend(gm, example_inputs):
+        by_storage: dict[int, list[str]] = {}
+        for node, t in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            if isinstance(t, torch.Tensor):
+                source_ = getattr(node, "_dynamo_source", None)
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(
+                    source_.name if source_ is not None else node.name)
+        graphs.append({"shared_storage": [names for names in by_storage.values() if len(names) > 1]})
+        return aot(gm, example_inputs)
+
+    @dataclasses.dataclass(frozen=True)
+    class AsOnCuda(Runtime):
+        @property
+        def cuda_graphs(self) -> bool:
+            return True
+
+    dynamo.reset()
+    runtime = AsOnCuda(torch.device("cpu"), precision, True, True, "default", backend)
+    session = Session(recipe, source, runtime, warm_up=True)   # the warm-up compiles every graph of a run
+    return {"graphs": graphs, "parameters": len(session.step.params)}

@@ -16,7 +16,7 @@ from ..recipe import AveragingConfig
 
 
 def state_tensors(model: nn.Module) -> list[torch.Tensor]:
-    return [t for t in model.state_dict().values() if t.is_floating_point()]
+    return [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
 
 
 class WeightAverage:
