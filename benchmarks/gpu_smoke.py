@@ -174,6 +174,8 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
     data = data_root / DATA[entry.data]
     row = {"id": label, "recipe": entry.recipe, "data": entry.data, "overrides": sets}
     t0 = time.perf_counter()
+    from torch._dynamo.utils import counters
+    skips = counters["inductor"]["cudagraph_skips"]      # graphs inductor ran without CUDA graphs
     try:
         recipe = load_recipe(entry.recipe, sets)
         recipe, source = open_source(recipe, data)
@@ -191,7 +193,8 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
                    compile_seconds=session.compile_seconds, recompiles=result.recompiles,
                    finite_losses=all(math.isfinite(v) for v in losses), losses=losses, steps=result.steps,
                    test_acc=result.test_acc, train_seconds=result.train_seconds, step_ms=timer.step_ms(),
-                   batch_size=recipe.data.batch_size)
+                   batch_size=recipe.data.batch_size,
+                   cudagraph_skips=counters["inductor"]["cudagraph_skips"] - skips)
         row["gpu_busy"] = profile_steps(session, device, min(10, steps))
         if resume_check:
             state = ckpt.load(ckpt_dir)
@@ -274,7 +277,8 @@ def main() -> int:
         busy = row.get("gpu_busy") or {}
         print(f"{label:48s} {'ok' if row.get('ok') else 'FAILED'} compile {row.get('compile_seconds', 0):6.1f}s "
               f"recompiles {row.get('recompiles')} finite {row.get('finite_losses')} step {row.get('step_ms') or 0:8.2f} ms "
-              f"busy {busy.get('busy_fraction', float('nan')):.2f} {row.get('error', '')[:200]}", flush=True)
+              f"busy {busy.get('busy_fraction', float('nan')):.2f} cudagraph skips {row.get('cudagraph_skips')} "
+              f"{row.get('error', '')[:200]}", flush=True)
     failed = [r["id"] for r in record["entries"] if not (r.get("ok") and r.get("finite_losses")
                                                          and r.get("recompiles") == 0)]
     print(f"{len(record['entries'])} entries in {time.perf_counter() - started:.0f} s; failed: {failed or 'none'}; "

@@ -12,8 +12,8 @@ A step, for a batch ``(x, y)`` already augmented by the data pipeline:
 2. **Backward**, once per micro-batch; under data parallelism every micro-batch but the
    last runs in ``no_sync()``, so gradients are all-reduced once per step.
 3. **Update** (``_update``): the schedule's LR and momentum for this step, read from device
-   tables with the step counter; with fp16, the gradients unscaled and checked for overflow
-   on the device (an overflowing step is undone on the device, not skipped by a host
+   tables with the step counter; with fp16, the gradients checked for overflow and read
+   unscaled (out of place) by the optimizer, on the device (an overflowing step is undone on the device, not skipped by a host
    decision); the optimizer (SGD groups, LARS/LAMB, orthogonal filter updates); the weight
    averaging (its every-N condition on the device); the step's loss, correct count and
    overflow flag written into the run's metrics table; the counter advanced. Compiled,
@@ -115,13 +115,21 @@ class LossScale:
         self.scale.fill_(self.INIT)
         self.growth_tracker.zero_()
 
-    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Divide the gradients by the scale in place; returns the overflow flag (1-element
-        float tensor: 1 where any gradient is inf or NaN)."""
-        found = torch.zeros(1, device=self.scale.device)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.scale.reciprocal())
-        return found
+    def overflowed(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The overflow flag (1-element float tensor: 1 where any of the scaled gradients is
+        inf or NaN). Read from each gradient's sum of magnitudes (one foreach kernel, traced by
+        dynamo), which any inf or NaN makes inf or NaN on every device; a finite gradient whose
+        magnitudes sum past fp32's largest value (3.4e38) counts as an overflow too. The
+        gradients are not touched: the optimizer reads them times :meth:`inverse` (GradScaler
+        divides them in place, but they are new tensors every step, so an update that wrote
+        them could not run as a CUDA graph)."""
+        if not grads:
+            return torch.zeros(1, device=self.scale.device)
+        sums = torch.stack(torch._foreach_norm(grads, 1))
+        return (~torch.isfinite(sums).all()).float().reshape(1)
+
+    def inverse(self) -> torch.Tensor:
+        return self.scale.reciprocal()
 
     def update(self, found: torch.Tensor) -> None:
         torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.GROWTH, self.BACKOFF, self.INTERVAL)
@@ -246,11 +254,12 @@ class TrainStep:
         at = (step % self.total).reshape(1)     # (drivers that profile may run more steps than a run has)
         lr_mult = self.lr_table.index_select(0, at)[0]
         momentum = None if self.mom_table is None else self.mom_table.index_select(0, at)[0]
-        overflow = torch.zeros(1, device=step.device)
+        overflow, grad_scale = torch.zeros(1, device=step.device), None
         if self.scaler is not None:
-            overflow = self.scaler.unscale([p.grad for p in self.params if p.grad is not None])
+            overflow = self.scaler.overflowed([p.grad for p in self.params if p.grad is not None])
+            grad_scale = self.scaler.inverse()
             before = [t.clone() for t in self.params + self.opt.state_tensors()]
-        self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps)
+        self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps, grad_scale)
         if self.scaler is not None:                   # an overflowing step leaves weights and state as they were
             after = self.params + self.opt.state_tensors()
             torch._foreach_copy_(after, [torch.where(overflow[0] > 0, b, a) for b, a in zip(before, after)])

@@ -62,27 +62,32 @@ class Optimizer:
 
     @torch.no_grad()
     def update(self, lr_mult: Number, momentum: Number | None = None, frozen: frozenset[str] = frozenset(),
-               frozen_now: Tensor | bool = False) -> None:
+               frozen_now: Tensor | bool = False, grad_scale: Tensor | None = None) -> None:
         """One step at the schedule's ``lr_mult`` (and ``momentum`` where the schedule sets it;
-        a group's own otherwise). Nothing here reads a value back from the device."""
+        a group's own otherwise), with the gradients multiplied by ``grad_scale`` where given
+        (fp16's inverse loss scale; the gradients themselves are left as they are). Nothing
+        here reads a value back from the device."""
         for group in self.param_groups:
             lr = group["base_lr"] * lr_mult
             if group["name"] in frozen:
                 lr = torch.where(frozen_now, 0.0, lr) if isinstance(frozen_now, Tensor) else (0.0 if frozen_now else lr)
             self._group_step(group, lr, momentum if momentum is not None and self.scheduled_momentum(group)
-                             else group.get("momentum"))
+                             else group.get("momentum"), grad_scale)
 
     def scheduled_momentum(self, group: dict) -> bool:
         """Whether the schedule's momentum replaces this group's own."""
         return "momentum" in group
 
-    def _group_step(self, group: dict, lr: Number, momentum: Number | None) -> None:
+    def _group_step(self, group: dict, lr: Number, momentum: Number | None, grad_scale: Tensor | None = None) -> None:
         live = [(p, i) for i, p in enumerate(group["params"]) if p.grad is not None]
         if not live:
             return
         params = [p for p, _ in live]
         state = {k: ([v[i] for _, i in live] if isinstance(v, list) else v) for k, v in group["state"].items()}
-        self._update(group, params, [p.grad for p in params], state, lr, momentum)
+        grads = [p.grad for p in params]
+        if grad_scale is not None:
+            grads = torch._foreach_mul(grads, grad_scale)
+        self._update(group, params, grads, state, lr, momentum)
 
     def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
                 momentum: Number | None) -> None:
