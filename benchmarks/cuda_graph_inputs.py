@@ -40,6 +40,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", default="", help="the rows whose recipe name contains this text")
     args = p.parse_args()
     env = environment()
     data = load_dataset("cifar10", args.data_dir)
@@ -47,6 +48,8 @@ def main() -> int:
                                test_x=data.test_x[:256], test_y=data.test_y[:256])
     rows = []
     for name, precision, sets in ROWS:
+        if args.only not in name:
+            continue
         t0 = time.perf_counter()
         recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
         probe = cuda_graph_inputs(recipe, data, precision)

@@ -65,3 +65,14 @@ def test_hold_memory_alternates_the_setting_in_whole_processes(tmp_path, data_di
                                                                       (1, "off")]
     assert all(r["model_flops_per_s"] > 0 and r["process_seconds"] > 0 for r in record["runs"])
     assert set(record["medians"]) == {"off", "auto"}
+
+
+def test_cuda_graph_inputs_writes_each_graphs_counts(tmp_path, data_dir):
+    out = tmp_path / "cgi.json"
+    script("cuda_graph_inputs.py", "--data-dir", data_dir, "--only", "cifar10-94-fast", "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    (row,) = record["rows"]
+    assert row["recipe"] == "cifar10-94-fast" and row["mutated_not_static_total"] == 0
+    update = max(row["graphs"], key=lambda g: g["mutated"])
+    assert update["mutated"] > 40 and update["static"] >= update["mutated"] and row["parameters"] > 10
