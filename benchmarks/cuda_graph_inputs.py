@@ -4,7 +4,8 @@ For each recipe row, the run is built as on CUDA (``cuda_graphs`` on: the step m
 parameter, optimizer and averaging tensor as a static address) and compiled through
 AOTAutograd without code generation (``speedrun.bench.structure.cuda_graph_inputs``). Per
 graph: inputs, static inputs, mutated inputs, mutated inputs that are not static (inductor
-skips CUDA graphs for a graph with any), and inputs sharing a storage. Narrow nets on a
+skips CUDA graphs for a graph with any), and inputs sharing a storage. The rows are
+tests/matrix.py's CUDA_GRAPH_ROWS, which tests/test_step_structure.py checks too. Narrow nets on a
 1,024-image CIFAR-10 slice: the counts do not depend on width or data size.
 
 Usage: .venv/bin/python benchmarks/cuda_graph_inputs.py --data-dir ../shared/datasets \\
@@ -18,22 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from speedrun.bench.structure import cuda_graph_inputs
-from speedrun.data.builtin import load_dataset
-from speedrun.files import atomic_write_json
-from speedrun.recipe import load_recipe
-from speedrun.report.environment import environment
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-NARROW = ["model.widths=[16,32,32]"]
-ROWS = [
-    ("cifar10-94", "fp32", NARROW),
-    ("cifar10-94", "bf16", NARROW),
-    ("cifar10-94", "fp16", NARROW),
-    ("cifar10-94-fast", "bf16", NARROW),
-    ("cifar10-94-cpu", "bf16", NARROW),
-    ("dawnbench-resnet18", "bf16", ["model.width=8", "optim.name=lamb", "optim.lr=0.02"]),
-    ("cifar10-94", "bf16", [*NARROW, "optim.name=lars", "averaging.kind=ema", "averaging.decay=0.9"]),
-]
+from matrix import CUDA_GRAPH_ROWS  # noqa: E402
+from speedrun.bench.structure import cuda_graph_inputs  # noqa: E402
+from speedrun.data.builtin import load_dataset  # noqa: E402
+from speedrun.files import atomic_write_json  # noqa: E402
+from speedrun.recipe import load_recipe  # noqa: E402
+from speedrun.report.environment import environment  # noqa: E402
 
 
 def main() -> int:
@@ -47,7 +41,7 @@ def main() -> int:
     data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
                                test_x=data.test_x[:256], test_y=data.test_y[:256])
     rows = []
-    for name, precision, sets in ROWS:
+    for name, precision, sets in CUDA_GRAPH_ROWS:
         if args.only not in name:
             continue
         t0 = time.perf_counter()

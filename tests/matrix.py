@@ -145,3 +145,17 @@ FIELDS: list[Entry] = [
                                                                "data.prune=0.5", "data.prune_full=0.25"]),
           args=("teacher",)),
 ]
+
+# The runs whose compiled graphs are checked for what CUDA graph trees would be given
+# (tests/test_step_structure.py on the CPU, benchmarks/cuda_graph_inputs.py for the record):
+# (recipe, precision, overrides), narrow nets; every optimizer kind, averaging kind and precision.
+_NARROW = ["model.widths=[16,32,32]"]
+CUDA_GRAPH_ROWS: list[tuple[str, str, list[str]]] = [
+    ("cifar10-94", "fp32", _NARROW),
+    ("cifar10-94", "bf16", _NARROW),
+    ("cifar10-94", "fp16", _NARROW),                     # loss scaling: gradients read unscaled
+    ("cifar10-94-fast", "bf16", _NARROW),                # orthogonal filter updates
+    ("cifar10-94-cpu", "bf16", _NARROW),                 # three sizes, pruning weights
+    ("dawnbench-resnet18", "bf16", ["model.width=8", "optim.name=lamb", "optim.lr=0.02"]),
+    ("cifar10-94", "bf16", [*_NARROW, "optim.name=lars", "averaging.kind=ema", "averaging.decay=0.9"]),
+]

@@ -37,15 +37,22 @@ def torchrun_cmd(*args, nproc: int = 2, launcher=()) -> list[str]:
             "--nproc-per-node", str(nproc), "-m", "speedrun", "train", *map(str, args)]
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children first), from /proc."""
-    parents = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
+def processes() -> dict[int, tuple[str, int]]:
+    """Every process on this machine: pid -> (name, parent pid), from /proc."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-        except OSError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:                                   # ended meanwhile
             continue
-        parents[int(p)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(pid)] = (name, int(rest[1]))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first)."""
+    parents = {p: parent for p, (_, parent) in processes().items()}
     out, todo = [], [pid]
     while todo:
         this = todo.pop(0)
@@ -332,20 +339,16 @@ def test_two_torchrun_agents_on_two_hosts_form_one_job(two_hosts, tmp_path, fash
 def worker_pids(agent_pid: int) -> dict[int, int]:
     """{rank: pid} of the speedrun processes below a torchrun agent."""
     found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+    for pid, (_, parent) in processes().items():
+        if parent != agent_pid:
             continue
         try:
-            stat = (proc / "stat").read_text()
-            environ = (proc / "environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != agent_pid:
             continue
         for item in environ:
             if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(proc.name)
+                found[int(item[5:])] = pid
     return found
 
 

@@ -19,6 +19,7 @@ from speedrun.data.prepare import export, prepare, worker_pool
 from speedrun.data.stream import Decoding, EpochSampler, ImageItems
 
 from test_cli import speedrun
+from test_distributed import processes
 from test_failures import assert_unchanged, check_refused, small_folder, snapshot
 
 
@@ -139,19 +140,6 @@ def test_the_decoding_and_writing_workers_are_not_forked_from_this_process():
         assert len(os.listdir(f"/proc/{server}/task")) == 1      # the fork server has one thread
 
 
-def _processes() -> dict[int, tuple[str, int]]:
-    """Every process on this machine: pid -> (name, parent pid), from /proc."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-        except OSError:                                   # ended meanwhile
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        out[int(pid)] = (name, int(rest[1]))
-    return out
-
-
 def test_the_streamed_loaders_workers_are_not_forked_from_the_training_process(jpeg_dir):
     # a data-parallel run has gloo's threads running when its loaders start their workers; a fork
     # could copy a lock one of them holds into a worker that then waits forever (one such run
@@ -169,7 +157,7 @@ def test_the_streamed_loaders_workers_are_not_forked_from_the_training_process(j
     batches = data.epoch(0, recipe.data.batch_size, augment, gen)
     x, y = next(batches)
     assert x.shape == (128, 3, 32, 32) and y.shape == (128,)
-    procs, me = _processes(), os.getpid()
+    procs, me = processes(), os.getpid()
     workers = [pid for pid, (name, parent) in procs.items()
                if name == "pt_data_worker" and procs.get(parent, ("", 0))[1] == me]
     assert len(workers) >= 2                              # grandchildren: the train loader's two

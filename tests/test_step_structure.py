@@ -21,6 +21,8 @@ from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.recipe import load_recipe
 
+from matrix import CUDA_GRAPH_ROWS
+
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
 
@@ -121,16 +123,7 @@ def test_fp16_gradient_overflow_with_a_finite_loss_is_skipped_on_the_device_and_
     assert float(session.step.scaler.scale) == 2.0 ** (16 - 32)
 
 
-@pytest.mark.parametrize("name, precision, sets", [
-    ("cifar10-94", "fp32", ["model.widths=[16,32,32]"]),
-    ("cifar10-94", "bf16", ["model.widths=[16,32,32]"]),
-    ("cifar10-94", "fp16", ["model.widths=[16,32,32]"]),                     # loss scaling: gradients read unscaled
-    ("cifar10-94-fast", "bf16", ["model.widths=[16,32,32]"]),                # orthogonal filter updates
-    ("cifar10-94-cpu", "bf16", ["model.widths=[16,32,32]"]),                 # three sizes, pruning weights
-    ("dawnbench-resnet18", "bf16", ["model.width=8", "optim.name=lamb", "optim.lr=0.02"]),
-    ("cifar10-94", "bf16", ["model.widths=[16,32,32]", "optim.name=lars", "averaging.kind=ema",
-                            "averaging.decay=0.9"]),
-])
+@pytest.mark.parametrize("name, precision, sets", CUDA_GRAPH_ROWS)
 def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, precision, sets, cifar_slice):
     """Inductor runs a graph that mutates an input which is not a static address without CUDA
     graphs. The optimizer update mutates every parameter, optimizer state and averaged tensor;

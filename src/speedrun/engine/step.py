@@ -13,8 +13,8 @@ A step, for a batch ``(x, y)`` already augmented by the data pipeline:
    last runs in ``no_sync()``, so gradients are all-reduced once per step.
 3. **Update** (``_update``): the schedule's LR and momentum for this step, read from device
    tables with the step counter; with fp16, the gradients checked for overflow and read
-   unscaled (out of place) by the optimizer, on the device (an overflowing step is undone on the device, not skipped by a host
-   decision); the optimizer (SGD groups, LARS/LAMB, orthogonal filter updates); the weight
+   unscaled (out of place) by the optimizer, on the device (an overflowing step is undone on
+   the device, not skipped by a host decision); the optimizer (SGD groups, LARS/LAMB, orthogonal filter updates); the weight
    averaging (its every-N condition on the device); the step's loss, correct count and
    overflow flag written into the run's metrics table; the counter advanced. Compiled,
    this is the third graph.
