@@ -13,7 +13,7 @@ imagenet-resnet50 upscaled to 64 px (its recipe's random-resized crops are cut o
 device). Counts do not depend on width, so the structure runs use narrow nets.
 
     python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
-        [--no-structure] [--out benchmarks/results/step-structure-<cpu>.json]
+        [--no-structure] [--set KEY=VALUE ...] [--out benchmarks/results/step-structure-<cpu>.json]
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str]
     if name == "imagenet-resnet50":
         overrides.append("eval.tta=none")
     recipe = load_recipe(name, overrides)
-    rt = Runtime(torch.device("cpu"), precision, compiled, True, "default", backend)
+    rt = Runtime(torch.device("cpu"), precision, compiled, True, "default", backend, cast=recipe.runtime.cast)
     t = time.perf_counter()
     out = measure(recipe, data(name, train=max(2048, 2 * batch)), rt, steps=steps, timed_steps=timed_steps,
                   world=world)
@@ -121,6 +121,8 @@ def main() -> int:
     p.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     p.add_argument("--ddp-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--ddp-set", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every row (e.g. the GPU levers: model.global_pool_grad=select)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.ddp_worker:
@@ -147,13 +149,13 @@ def main() -> int:
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
         for precision in args.precisions.split(","):
             for compiled in (False, True):
-                row = one(name, precision, compiled, args.backend, [])
+                row = one(name, precision, compiled, args.backend, args.set)
                 rows.append(row)
                 print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} breaks {row['graph_breaks']} "
                       f"regions {row['compiled_regions_per_step']} eager ops {row['eager_ops_per_step']} "
                       f"syncs {row['host_syncs_per_step']}", flush=True)
                 save()
-        row = one(name, "bf16", True, args.backend, ["train.accumulate=2"])
+        row = one(name, "bf16", True, args.backend, [*args.set, "train.accumulate=2"])
         rows.append(row)
         print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
               f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
@@ -171,7 +173,8 @@ def main() -> int:
         for name in recipes:
             for precision in args.timing_precisions.split(","):
                 for compiled in (False, True):
-                    row = one(name, precision, compiled, args.backend, [], timed_steps=args.timed_steps, steps=1)
+                    row = one(name, precision, compiled, args.backend, args.set, timed_steps=args.timed_steps,
+                              steps=1)
                     timing.append({k: row[k] for k in ("recipe", "precision", "compiled", "backend", "overrides",
                                                        "ms_per_step", "build_and_warm_up_seconds")})
                     ms = row["ms_per_step"]

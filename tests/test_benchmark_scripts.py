@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,3 +78,289 @@ def test_cuda_graph_inputs_writes_each_graphs_counts(tmp_path, data_dir):
     assert row["recipe"] == "cifar10-94-fast" and row["mutated_not_static_total"] == 0
     update = max(row["graphs"], key=lambda g: g["mutated"])
     assert update["mutated"] > 40 and update["static"] >= update["mutated"] and row["parameters"] > 10
+
+
+# ------------------------------------------------------------------------------------------
+# gpu_record.py: speedrun against peers' own scripts, and variants on random data
+# ------------------------------------------------------------------------------------------
+
+TINY_SPEEDNET = ["--set", "model.widths=[8,16,16]", "--set", "model.whiten.samples=64", "--set", "eval.batch_size=128"]
+
+STANDIN_PEER = '''"""A stand-in for an airbench script, on the CPU: airbench's contract (cifar10/train.pt and
+test.pt read from the working folder, print_columns, logging_columns_list, print_training_details
+with its own timer, main(run, model), a __main__ block that builds the model, warms up, runs),
+training a linear model on a slice for a few steps."""
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+with open(sys.argv[0]) as f:
+    code = f.read()
+
+
+def print_columns(columns_list, is_head=False, is_final_entry=False):
+    print("|" + "|".join("  %s  " % c for c in columns_list) + "|")
+
+
+logging_columns_list = ["run   ", "epoch", "train_acc", "val_acc", "tta_val_acc", "time_seconds"]
+
+
+def print_training_details(variables, is_final_entry):
+    print_columns([str(variables.get(c.strip(), "")) for c in logging_columns_list], is_final_entry=is_final_entry)
+
+
+def load(split, n):
+    data = torch.load("cifar10/%s.pt" % split, weights_only=True, mmap=True)
+    x = (data["images"][:n].float() / 255 - 0.5).permute(0, 3, 1, 2)
+    return x, data["labels"][:n]
+
+
+def main(run, model):
+    x, y = load("train", 1000)
+    xt, yt = load("test", 500)
+    if run == "warmup":
+        y = torch.randint(0, 10, size=y.shape)
+    torch.manual_seed(0 if run == "warmup" else run)
+    model.reset_parameters()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    time_seconds = 0.0
+    for epoch in range(2):
+        t = time.perf_counter()
+        for i in range(0, len(x), 200):
+            outputs = model(x[i:i + 200].flatten(1))
+            F.cross_entropy(outputs, y[i:i + 200]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        time_seconds += time.perf_counter() - t
+        with torch.no_grad():
+            val_acc = (model(xt.flatten(1)).argmax(1) == yt).float().mean().item()
+        print_training_details(locals(), is_final_entry=False)
+        run = None
+    t = time.perf_counter()
+    with torch.no_grad():
+        logits = model(xt.flatten(1)) + model(xt.flip(-1).flatten(1))
+    tta_val_acc = (logits.argmax(1) == yt).float().mean().item()
+    time_seconds += time.perf_counter() - t
+    epoch = "eval"
+    print_training_details(locals(), is_final_entry=True)
+    return tta_val_acc
+
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(3 * 32 * 32, 10)
+    print_columns(logging_columns_list, is_head=True)
+    main("warmup", model)
+    accs = torch.tensor([main(run, model) for run in range(200)])
+    print("Mean: %.4f" % accs.mean())
+'''
+
+
+def test_gpu_record_runs_speedrun_and_a_peers_own_script_each_in_its_own_process(tmp_path, data_dir, cifar_small,
+                                                                                 cifar10):
+    import torch
+    peer = tmp_path / "standin_airbench.py"
+    peer.write_text(STANDIN_PEER)
+    out, work = tmp_path / "record.json", tmp_path / "work"
+    script("gpu_record.py", "--runs", 2, "--data-dir", data_dir, "--out", out, "--work", work, "--device", "cpu",
+           "--system", "speedrun:cifar10-94-fast", "--system", f"peer:{peer}",
+           "--pair", "cifar10-94-fast:standin_airbench.py", "--set", "data.dataset=npz",
+           "--set", f"data.path='{cifar_small}'", "--set", "data.batch_size=256", "--set", "train.epochs=1",
+           *TINY_SPEEDNET)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["mode"] == "real" and record["commit"] == record["environment"]["git_commit"]
+    speedrun, standin = record["systems"]
+    assert (speedrun["system"], standin["system"]) == ("cifar10-94-fast", "standin_airbench.py")
+    for entry in (speedrun, standin):
+        assert entry["ok"] and len(entry["runs"]) == 2 and entry["summary"]["runs"] == 2
+        assert all(r["seconds"] > 0 and 0 <= r["test_acc"] <= 1 for r in entry["runs"])
+        assert entry["process_wall_seconds"] > entry["warmup_seconds"] > 0
+    assert [r["seed"] for r in speedrun["runs"]] == [0, 1] and all(r["steps"] == 4 for r in speedrun["runs"])
+    assert speedrun["recipe_config"]["model"]["widths"] == [8, 16, 16]
+    # the peer ran as its __main__ does: its model built there, warmed up by its own call, its own timer read
+    assert standin["main_block"]["args"] == ["model"] and standin["main_block"]["warmup_in_script"]
+    assert all(r["timer"] == "time_seconds" and r["wall_seconds"] > r["seconds"] for r in standin["runs"])
+    (pair,) = record["pairs"]
+    assert (pair["a"], pair["b"]) == ("cifar10-94-fast", "standin_airbench.py")
+    assert pair["time_ratio"] == pytest.approx(speedrun["summary"]["seconds"]["mean"]
+                                               / standin["summary"]["seconds"]["mean"])
+    assert pair["test_acc_a"] == pytest.approx(speedrun["summary"]["test_acc"]["mean"])
+    # the data the runner wrote is what airbench94_muon.py's CifarLoader reads: torch.load (weights only) of a
+    # dict with uint8 NHWC images, int64 labels and the class names, the official images in the official order
+    for split, x, y in (("train", cifar10.train_x, cifar10.train_y), ("test", cifar10.test_x, cifar10.test_y)):
+        data = torch.load(work / "airbench" / "cifar10" / f"{split}.pt", weights_only=True)
+        assert set(data) == {"images", "labels", "classes"} and data["classes"] == cifar10.classes
+        assert data["images"].dtype == torch.uint8 and data["images"].shape == (len(x), 32, 32, 3)
+        assert data["labels"].dtype == torch.int64 and data["labels"].shape == (len(x),)
+        assert (data["images"].half() / 255).permute(0, 3, 1, 2).shape == (len(x), 3, 32, 32)   # its first step
+        assert torch.equal(data["images"].permute(0, 3, 1, 2), x) and torch.equal(data["labels"], y)
+
+
+def test_gpu_record_synthetic_times_and_profiles_each_variant_in_its_own_process(tmp_path):
+    out = tmp_path / "synthetic.json"
+    script("gpu_record.py", "--synthetic", "--recipe", "cifar10-94-fast", "--variant", "base",
+           "--variant", "fp32:runtime.precision=fp32", "--runs", 1, "--profile", "--device", "cpu",
+           "--n-train", 256, "--n-test", 128, "--set", "data.batch_size=64", "--set", "train.epochs=1",
+           *TINY_SPEEDNET, "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["mode"] == "synthetic" and record["data"]["n_train"] == 256
+    base, fp32 = record["variants"]
+    assert (base["variant"], fp32["variant"]) == ("base", "fp32") and fp32["runtime"]["precision"] == "fp32"
+    for v in (base, fp32):
+        assert v["ok"] and v["warmup_seconds"] > 0 and v["process_wall_seconds"] > v["build_and_warmup_seconds"]
+        assert len(v["runs"]) == 1 and all(r["seconds"] > 0 and r["steps"] == 4 for r in v["runs"])
+        prof = v["profile"]
+        assert prof["total_seconds"] > 0 and prof["run_seconds"] > 0 and prof["steps"] == 4
+        assert sum(k["seconds"] for k in prof["by_kind"].values()) == pytest.approx(prof["total_seconds"])
+        assert sum(k["count"] for k in prof["by_kind"].values()) == prof["events"]
+        assert prof["by_kind"]["convolution"]["seconds"] > 0 and prof["steps_marked"] == 4
+        assert prof["kernels_per_step"] > 10 and prof["top"]
+    assert record["ratios"]["base"] == 1 and record["ratios"]["fp32"] == pytest.approx(
+        fp32["summary"]["seconds"]["mean"] / base["summary"]["seconds"]["mean"])
+
+
+def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_nothing(tmp_path, data_dir):
+    out = tmp_path / "record.json"
+    plain = tmp_path / "plain.py"
+    plain.write_text("print('not an airbench script')\n")
+    cases = [(["--system", f"peer:{tmp_path / 'airbench94_muon.py'}"], "no peer script at"),
+             (["--system", f"peer:{plain}"], "no `if __name__"),
+             (["--system", "airbench94_muon.py"], "expected speedrun:RECIPE"),
+             (["--system", "speedrun:cifar10-94@model.widths"], "is not KEY=VALUE"),
+             (["--system", "speedrun:cifar10-94-fsat"], "did you mean 'cifar10-94-fast'"),
+             (["--system", "speedrun:cifar10-94", "--data-dir", tmp_path], "no CIFAR-10 python batches"),
+             (["--system", "speedrun:cifar10-94", "--data-dir", data_dir, "--pair", "cifar10-94:airbench94.py"],
+              "--pair"),
+             (["--synthetic", "--recipe", "cifar10-94-fast", "--variant", "x:model.nope=1"], "unknown recipe field")]
+    for args, words in cases:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_record.py"), *map(str, args),
+                               "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+        assert not out.exists()
+
+
+def test_peer_runner_reads_how_a_scripts_main_block_warms_up_and_runs(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from peer_runner import plan_main_block, split_source
+    muon = ('def main(run, model):\n    pass\n\nif __name__ == "__main__":\n'
+            '    model = CifarNet().cuda().to(memory_format=torch.channels_last)\n'
+            '    model.compile(mode="max-autotune")\n    print_columns(logging_columns_list, is_head=True)\n'
+            '    main("warmup", model)\n    accs = torch.tensor([main(run, model) for run in range(200)])\n')
+    plan = plan_main_block(split_source(muon, "muon.py")[1], "muon.py")
+    assert plan["args"] == ["model"] and plan["warmup_in_script"] and len(plan["setup_source"]) == 3
+    assert plan["setup_source"][1] == "model.compile(mode='max-autotune')"
+    legacy = ("def main(run):\n    pass\n\nif __name__ == '__main__':\n    with open(sys.argv[0]) as f:\n"
+              "        code = f.read()\n    print_columns(logging_columns_list, is_head=True)\n    #main('warmup')\n"
+              "    accs = torch.tensor([main(run) for run in range(25)])\n")
+    head, block = split_source(legacy, "legacy.py")
+    plan = plan_main_block(block, "legacy.py")
+    assert head.endswith("pass\n\n") and plan["args"] == [] and not plan["warmup_in_script"]
+    assert len(plan["setup_source"]) == 2
+
+
+# ------------------------------------------------------------------------------------------
+# imagenet_throughput.py and photo_throughput.py: model step against pipelines, tiny on the CPU
+# ------------------------------------------------------------------------------------------
+
+TINY_RESNET50 = ["--device", "cpu", "--size", 32, "--batch", 8, "--steps", 2, "--repeats", 2, "--warm", 1,
+                 "--profile-steps", 2, "--images-per-class", 4, "--classes", 2, "--workers", 1,
+                 "--set", "model.width=8", "--set", "runtime.compile=off"]
+
+
+def torchvision_importable() -> bool:
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception:                                   # (absent, or built for another torch)
+        return False
+    return True
+
+
+def test_imagenet_throughput_times_the_model_step_and_each_pipeline(tmp_path, capsys):
+    out = tmp_path / "rn50.json"
+    script("imagenet_throughput.py", *TINY_RESNET50, "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["device"] == "cpu" and record["recipe"] == "imagenet-resnet50"
+    assert (record["batch"], record["image_size"], record["recipe_config"]["model"]["width"]) == (8, 32, 8)
+    assert record["photos"]["train_images"] == 8 and record["photos"]["mean_bytes"] > 1000
+    step = record["model_step"]
+    assert len(step["block_seconds"]) == 2 and all(r > 0 for r in step["images_per_second"])
+    assert step["images_per_second_median"] > 0 and 0 < step["busy"]["busy_fraction"] <= 1
+    streamed, gpu = record["pipelines"]
+    assert streamed["pipeline"] == "streamed" and "1 process," in streamed["decoding"]
+    assert len(streamed["block_seconds"]) == 2 and all(r > 0 for r in streamed["images_per_second"])
+    assert streamed["epochs_started"] > 1                  # 8 images, batch 8: the blocks cross epochs
+    assert streamed["pipeline_over_model"] == pytest.approx(streamed["images_per_second_median"]
+                                                            / step["images_per_second_median"])
+    assert streamed["bound_by"] in ("model", "pipeline") and 0 < streamed["busy"]["busy_fraction"] <= 1
+    if torchvision_importable():
+        assert gpu["available"] and gpu["decode"]["images_per_second"] > 0 and gpu["bound_by"] in ("model", "pipeline")
+    else:
+        assert gpu["available"] is False and "torchvision" in gpu["why"]
+    assert record["scale_input"]["batch_per_gpu"] == 8 and record["scale_input"]["params"] == record["params"] > 0
+    # speedrun scale takes one GPU's speed from the record
+    from speedrun.cli import main
+    assert main(["scale", "--step-record", str(out), "--gpus", "1,8"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{record['params']:,} parameters" in shown and "at 8 per step" in shown
+
+
+TINY_PHOTOS = ["--device", "cpu", "--images-per-class", 6, "--val-per-class", 2, "--steps", 1, "--repeats", 2,
+               "--warm", 0, "--profile-steps", 1, "--set", "data.image_size=32", "--set", "data.eval_size=40",
+               "--set", "data.batch_size=8", "--set", "model.width=8", "--set", "train.epochs=3",
+               "--set", "runtime.compile=off", "--set", "data.workers=0"]
+
+
+def test_photo_throughput_sets_each_training_process_against_its_model_step(tmp_path):
+    out = tmp_path / "photos.json"
+    script("photo_throughput.py", *TINY_PHOTOS, "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["photos"]["train_images"] == 60 and record["photos"]["sizes_wxh"] == ["224x224"]
+    assert [(r["recipe"], r["run"]) for r in record["runs"]] == [("imagenette", 0), ("folder", 0)]
+    for row in record["runs"]:
+        assert row["ok"] and row["process_wall_seconds"] > row["summary"]["train_seconds"] > row["training_seconds"] > 0
+        assert row["images"] == row["summary"]["steps"] * 8 and row["pipeline_images_per_second"] > 0
+        assert row["summary"]["data_cache"]["cache_made_now"]      # decoded inside the timed process
+        assert row["model_step_images_per_second"] > 0 and row["bound_by"] in ("model", "pipeline")
+        assert row["pipeline_over_model"] == pytest.approx(row["pipeline_images_per_second"]
+                                                           / row["model_step_images_per_second"])
+        assert row["meets_bar"] == (row["pipeline_over_model"] >= 0.9)
+        assert "test_acc" not in row["summary"]
+        step = record["model_step"][row["recipe"]]
+        # progressive resizing over 3 epochs of 7 steps: 24 px (the first two epochs), then 32 px
+        assert [(s["train_size"], s["run_steps"]) for s in step["per_size"]] == [(24, 14), (32, 7)]
+        assert row["summary"]["steps"] == 21
+        assert all(len(s["block_seconds"]) == 2 for s in step["per_size"])
+        assert "busy" in step["per_size"][-1] and step["model_seconds_for_the_run"] > 0
+        assert step["run_cache_reused"] and step["runtime"]["precision"] == row["summary"]["precision"]
+
+
+@pytest.mark.parametrize("name, args, says", [
+    ("imagenet_throughput.py", ["--batch", "0"], "--batch 0: must be 1 or more"),
+    ("imagenet_throughput.py", ["--set", "model.nope=1"], "unknown recipe field 'model.nope'"),
+    ("imagenet_throughput.py", ["--photo", "500"], "--photo '500': expected WIDTHxHEIGHT"),
+    ("imagenet_throughput.py", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("photo_throughput.py", ["--recipes", "imagenette,imagenete"], "did you mean 'imagenette'"),
+    ("photo_throughput.py", ["--runs", "0"], "--runs 0: must be 1 or more"),
+])
+def test_throughput_scripts_refuse_a_bad_argument_in_one_line_writing_nothing(tmp_path, name, args, says):
+    out = tmp_path / "record.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--device", "cpu", *args,
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_throughput_scripts_never_overwrite_a_record(tmp_path):
+    out = tmp_path / "record.json"
+    out.write_text("{}")
+    for name in ("imagenet_throughput.py", "photo_throughput.py"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--device", "cpu", "--out", str(out)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2 and "already exists" in proc.stderr and out.read_text() == "{}", proc.stderr

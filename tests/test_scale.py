@@ -257,3 +257,43 @@ def test_step_time_gives_the_rate(capsys):
     shown = capsys.readouterr().out
     assert "800.0 images/s at 40 per step" in shown
     assert re.search(r"\b16\b.*\b50\.00\b", shown)
+
+
+MEASURED = {"images_per_second": 2600.0, "batch_per_gpu": 256, "params": 25_549_352, "recipe": "imagenet-resnet50",
+            "device_name": "NVIDIA H100 80GB HBM3", "device": "cuda", "precision": "bf16", "image_size": 224}
+
+
+def test_step_record_gives_the_measured_rate_batch_and_parameters(tmp_path, capsys):
+    record, numbers = tmp_path / "imagenet-throughput.json", tmp_path / "numbers.json"
+    record.write_text(json.dumps({"benchmark": "...", "scale_input": MEASURED}))
+    assert main(["scale", "--step-record", str(record), "--gpus", "1,8", "--json", str(numbers)]) == 0
+    shown = capsys.readouterr().out
+    assert "2,600.0 images/s at 256 per step" in shown and "25,549,352 parameters" in shown
+    assert "NVIDIA H100 80GB HBM3" in shown
+    data = json.loads(numbers.read_text())
+    assert data["workload"]["images_per_second"] == 2600.0 and data["workload"]["batch_per_gpu"] == 256
+    assert data["params"] == 25_549_352 and data["step_record"]["path"] == str(record)
+    assert data["rows"][0]["compute_s"] == pytest.approx(256 / 2600.0)
+    # the options still choose the model and the batch; the rate stays the measured one
+    assert main(["scale", "--step-record", str(record), "--model", "resnet50", "--batch-per-gpu", "128",
+                 "--gpus", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{KNOWN_PARAMS['resnet50']:,} parameters" in shown and "2,600.0 images/s at 128 per step" in shown
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file"),
+    ("{not json", "not a readable JSON record"),
+    (json.dumps({"scale_input": {"images_per_second": 0, "batch_per_gpu": 256}}), "holds no scale_input"),
+    (json.dumps({"runs": []}), "holds no scale_input"),
+])
+def test_a_bad_step_record_is_named_in_one_line(tmp_path, content, says, capsys):
+    record = tmp_path / "r.json"
+    if content is not None:
+        record.write_text(content)
+    assert main(["scale", "--step-record", str(record)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--step-record {record}: {says}" in err, err
+    with pytest.raises(SystemExit) as stop:                 # one speed only: argparse refuses the pair
+        main(["scale", "--step-record", str(record), "--step-time", "0.1", "--batch-per-gpu", "40"])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

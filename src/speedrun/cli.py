@@ -92,6 +92,8 @@ def _scale_options(p) -> None:
     speed.add_argument("--images-per-second", type=float, metavar="X", help="one GPU's training images per second")
     speed.add_argument("--step-time", type=float, metavar="S", help="one GPU's seconds per step at --batch-per-gpu "
                        "(strong scaling without it: at the whole --global-batch)")
+    speed.add_argument("--step-record", metavar="FILE", help="one GPU's speed, batch and parameters as measured by "
+                       "benchmarks/imagenet_throughput.py (its record's model step alone)")
     p.add_argument("--batch-per-gpu", type=int, metavar="B", help="images per GPU per step (default: the recipe's)")
     p.add_argument("--global-batch", type=int, metavar="N", help="strong scaling: split this batch over the GPUs "
                    "(default: weak scaling, --batch-per-gpu on every GPU)")
@@ -317,9 +319,13 @@ def data_command(args) -> int:
     from .data.prepare import export, prepare
     from .report.console import print_table
     if args.data_command == "prepare":
+        from .data.skipped import skipped_line
         out = prepare(args.src, args.size, args.out, args.val_fraction or 0.0, args.seed, args.workers,
                       args.skip_corrupt, args.decoder)
+        skipped = out.pop("skipped_files")
         print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
+        if out["skipped"]:
+            print(f"speedrun: {skipped_line(skipped, out['skipped'])}")
     else:
         out = export(args.dataset, args.format, args.out, args.data_dir, args.quality, limit=args.limit,
                      size=args.size, layout=args.layout)

@@ -65,13 +65,35 @@ def recipe_model_params(name: str, classes: int | None) -> tuple[int, str, int |
     return params, f"recipe {recipe.name}, {recipe.model.name} with {note}", batch
 
 
-def model_params(args) -> tuple[int, str, int | None]:
+def read_step_record(path: str) -> dict:
+    """One GPU's measured speed from a throughput record (``benchmarks/imagenet_throughput.py``
+    writes one): its ``scale_input``, the model step's images/s alone at its batch per GPU and
+    the model's parameters, with the recipe, device and precision they were measured with."""
+    import json
+    try:
+        record = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--step-record {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"--step-record {path}: not a readable JSON record ({err})") from None
+    got = record.get("scale_input") if isinstance(record, dict) else None
+    rate = got.get("images_per_second") if isinstance(got, dict) else None
+    batch = got.get("batch_per_gpu") if isinstance(got, dict) else None
+    if not (isinstance(rate, (int, float)) and rate > 0 and isinstance(batch, int) and batch > 0):
+        raise UsageError(f"--step-record {path}: holds no scale_input with images_per_second and batch_per_gpu; "
+                         "give a record written by benchmarks/imagenet_throughput.py")
+    return {**got, "path": str(path)}
+
+
+def model_params(args, measured: dict | None = None) -> tuple[int, str, int | None]:
     if args.params is not None:
         if args.params < 1:
             raise UsageError(f"--params {args.params}: must be 1 or more")
         return args.params, f"{args.params:,} parameters", None
     if args.recipe:
         return recipe_model_params(args.recipe, args.classes)
+    if measured is not None and args.model is None and isinstance(measured.get("params"), int):
+        return measured["params"], f"{measured.get('recipe')} as measured", measured["batch_per_gpu"]
     name = (args.model or "resnet50").lower()
     if name not in KNOWN_PARAMS:
         raise UsageError(f"--model {args.model!r}: not known; choose one of {', '.join(KNOWN_PARAMS)}, or give "
@@ -91,9 +113,11 @@ def network_from(args) -> Network:
     return net.validate()
 
 
-def workload_from(args, params: int, recipe_batch: int | None) -> Workload:
+def workload_from(args, params: int, recipe_batch: int | None, measured: dict | None = None) -> Workload:
     if args.classes is not None and not args.recipe:
         raise UsageError("--classes sets the classes of a --recipe model; give it with --recipe")
+    if measured is not None and args.batch_per_gpu is None:
+        recipe_batch = measured["batch_per_gpu"]           # the batch the rate was measured at
     batch = args.batch_per_gpu if args.batch_per_gpu is not None else recipe_batch
     if args.global_batch is not None and batch is None:
         batch = args.global_batch                    # one GPU carries the whole batch
@@ -105,9 +129,12 @@ def workload_from(args, params: int, recipe_batch: int | None) -> Workload:
         rate = batch / args.step_time
     elif args.images_per_second is not None:
         rate = args.images_per_second
+    elif measured is not None:
+        rate = measured["images_per_second"]
     else:
         raise UsageError("give one GPU's speed: --images-per-second X, or --step-time S (seconds per step at "
-                         "--batch-per-gpu; `speedrun flops RECIPE --json F` measures model_seconds_per_step)")
+                         "--batch-per-gpu; `speedrun flops RECIPE --json F` measures model_seconds_per_step), or "
+                         "--step-record FILE (a record of benchmarks/imagenet_throughput.py)")
     return Workload(gradient_bytes=params * COMM_BYTES[args.comm_dtype], images_per_second=rate,
                     batch_per_gpu=batch, global_batch=args.global_batch, overlap=args.overlap,
                     overhead_s=args.overhead_ms / 1e3).validate()
@@ -133,8 +160,9 @@ def scale_command(args) -> int:
         return calibration_command(args)
     gpu_counts = parse_gpu_counts(args.gpus)
     net = network_from(args)
-    params, model_label, recipe_batch = model_params(args)
-    work = workload_from(args, params, recipe_batch)
+    measured = read_step_record(args.step_record) if getattr(args, "step_record", None) else None
+    params, model_label, recipe_batch = model_params(args, measured)
+    work = workload_from(args, params, recipe_batch, measured)
     _check_outputs(args)
     dropped = [g for g in gpu_counts if args.global_batch is not None and g > args.global_batch]
     gpu_counts = [g for g in gpu_counts if g not in dropped]
@@ -148,6 +176,10 @@ def scale_command(args) -> int:
     summary = [("model", f"{model_label}: {params:,} parameters"),
                ("gradients", f"{work.gradient_bytes / 1e6:,.1f} MB per step ({args.comm_dtype})"),
                ("one GPU", f"{work.images_per_second:,.1f} images/s at {work.batch_per_gpu:g} per step"),
+               *([("measured", f"{measured['images_per_second']:,.1f} images/s at {measured['batch_per_gpu']} per "
+                                   f"step, the model step alone of {measured.get('recipe')} in "
+                                   f"{measured.get('precision')} on {measured.get('device_name')} "
+                                   f"({measured['path']})")] if measured else []),
                ("scaling", mode),
                ("network", f"{net.name}: {net.description}"),
                ("links", f"{net.gpus_per_node} GPUs per node; {net.intra_gbps:g} Gb/s per GPU inside a node, "
@@ -175,6 +207,8 @@ def scale_command(args) -> int:
     record = {"kind": "speedrun scale prediction", "model": model_label, "params": params,
               "comm_dtype": args.comm_dtype, "algorithm": args.algorithm, "network": asdict(net),
               "workload": asdict(work), "rows": [r.as_dict() for r in rows]}
+    if measured:
+        record["step_record"] = measured
     if args.plot:
         from ..report.plots import scaling_curves
         title = f"{model_label}, {net.name}, {args.algorithm} all-reduce, {mode}"
