@@ -12,7 +12,7 @@ from scipy import stats
 from speedrun.engine import flops
 from speedrun.bench.ablate import TRICKS, epochs_to_target, plan, tricks_of
 from speedrun.bench.compare import compare
-from speedrun.bench.stats import describe, p_mean_at_least, welch
+from speedrun.bench.stats import P_VALUE_LABEL, describe, describe_times, p_mean_at_least, p_value_text, welch
 from speedrun.recipe import RecipeError, load_recipe, total_steps
 
 from conftest import TINY_BENCH
@@ -38,6 +38,21 @@ def test_one_sided_p_value_against_scipy_and_by_hand():
     t = (np.mean(x) - 0.939) / (np.std(x, ddof=1) / math.sqrt(6))
     assert p == pytest.approx(stats.t.sf(t, 5))
     assert p_mean_at_least(x, 0.935) < 0.001 and p_mean_at_least(x, 0.945) > 0.999
+
+
+def test_a_time_interval_never_reaches_below_zero_and_the_p_value_is_named_for_what_it_is():
+    times = [1.0, 3.0]                       # 2 runs: t(0.975, 1) = 12.7, the t interval reaches -10.7 s
+    plain = describe(times)
+    assert plain["ci95"][0] == pytest.approx(2 - 12.706 * math.sqrt(2) / math.sqrt(2), abs=1e-2)
+    d = describe_times(times)
+    assert d["ci95"] == [0.0, pytest.approx(plain["ci95"][1])] and d["mean"] == 2.0
+    assert d["ci95_method"] == "Student's t interval for the mean, its lower end cut at 0 (the least possible value)"
+    assert describe_times([10.0, 10.2, 10.1])["ci95"] == pytest.approx(describe([10.0, 10.2, 10.1])["ci95"])
+    # far below the target the p-value is near 1: no evidence of reaching it (not a 99.8% chance of it)
+    p = p_mean_at_least([0.80, 0.81, 0.79], 0.92)
+    assert p > 0.99 and p_value_text(p).endswith("(not below 0.05: no evidence that the mean is above the target)")
+    assert p_value_text(0.001) == "0.001 (below 0.05: evidence that the mean is above the target)"
+    assert "p-value" in P_VALUE_LABEL and "H0: mean ≤ target" in P_VALUE_LABEL
 
 
 def test_welch_against_scipy():
@@ -162,7 +177,15 @@ def test_bench_writes_the_record(benches):
         assert key in env
     assert rec["recipe_config"]["eval"]["every"] == 0 and len(rec["recipe_hash"]) == 12
     assert rec["flops"]["total_flops"] > 0 and rec["compile_seconds"] > 0
-    assert "mean ± std" in stdout and "p (mean ≥ target)" in stdout
+    assert "mean ± std" in stdout and "p (mean ≥ target)" not in stdout
+    # a p-value, named as one; the tiny runs are far below the 92% target, so it is near 1 and says why
+    assert s["test_acc"]["mean"] < 0.9 and s["p_value_mean_at_least_target"] > 0.95
+    row = next(line for line in stdout.splitlines() if "one-sided t-test p-value" in line)
+    assert "(H0: mean ≤ target, H1: mean > target)" in row
+    assert "not below 0.05: no evidence that the mean is above the target" in row
+    caption = "95% CI: Student's t interval for the mean; for times its lower end is cut at 0 s"
+    assert caption in " ".join(stdout.split())
+    assert all(d["ci95"][0] >= 0 and "cut at 0" in d["ci95_method"] for d in s["times"].values())
 
 
 def _expected_clause(a: list[float], b: list[float], alpha: float, kind: str) -> str:

@@ -54,7 +54,8 @@ def test_config_is_the_fully_resolved_recipe(quick_run):
     assert config["train"]["epochs"] == 0.25 and config["train"]["seed"] == 3
     assert config["model"]["widths"] == [16, 32, 32]
     assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default", "channels_last": True,
-                                 "find_batch": False, "hold_memory": "auto", "conv_weight_grad": "torch"}
+                                 "cast": "autocast", "find_batch": False, "hold_memory": "auto",
+                                 "conv_weight_grad": "torch"}
     assert load_recipe(str(out / "config.toml")).eval.tta == "flip"
 
 
@@ -148,3 +149,20 @@ def test_progress_is_printed_as_plain_lines_when_output_is_a_log_file(tmp_path, 
     assert "\x1b[" not in text.split("┏")[0]                       # no progress-bar escape codes
     bad = speedrun("train", "fashion-mnist", "--log-every", "often", check=False)
     assert bad.returncode == 2 and "--log-every 'often'" in bad.stderr
+
+
+def test_progress_counts_the_epochs_the_run_trains(tmp_path, fashion_small):
+    """A run whose last epoch is partial says how many epochs it trains as its summary does: 12
+    steps of 8 an epoch are 1.5 epochs, the second shown as 1.5/1.5; one epoch is 'epoch'."""
+    common = ["train", "fashion-mnist", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set",
+              "model.widths=[8,8,8]", "--set", "data.batch_size=128", "--set", "eval.tta=none", "--log-every", "5"]
+    proc = speedrun(*common, "--set", "train.epochs=1.5", "--out", tmp_path / "a")
+    text = proc.stdout
+    assert "fashion-mnist: 12 steps in 1.5 epochs, batch 128" in text
+    assert re.findall(r"fashion-mnist step (\d+)/12 epoch (\S+) ", text) == [("5", "1/1.5"), ("10", "1.5/1.5")]
+    assert re.findall(r"fashion-mnist epoch (\S+) done", text) == ["1/1.5", "1.5/1.5"]
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["epochs"] == 1.5
+    assert re.search(r"epochs\s+│\s+1\.5 ", text)
+    proc = speedrun(*common, "--set", "train.epochs=1", "--out", tmp_path / "b")
+    assert "fashion-mnist: 8 steps in 1 epoch, batch 128" in proc.stdout
+    assert re.findall(r"fashion-mnist epoch (\S+) done", proc.stdout) == ["1/1"]

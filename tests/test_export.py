@@ -218,3 +218,24 @@ def test_without_the_runs_data_the_check_uses_random_images_and_says_so(run_copy
     done = export_module.export_run(run_copy, "torchscript", out=tmp_path / "m.pt", data_dir=tmp_path / "gone.npz")
     assert done.checked_on.startswith("256 random images") and "gone.npz" in done.checked_on
     assert done.max_difference <= TOLERANCE and (tmp_path / "m.pt").is_file()
+
+
+def test_the_check_reads_the_data_the_run_was_trained_from_until_it_is_gone(tmp_path, data_dir, isolated_env):
+    """A built-in set trained from --data-dir, with neither $SPEEDRUN_DATA nor ~/.cache/speedrun
+    holding it: the run's summary.json records where it read the data, and the export is checked
+    on the test images there; once that folder is gone, on random images, saying why."""
+    copy = tmp_path / "data" / "fashion-mnist"
+    copy.mkdir(parents=True)
+    for f in (data_dir / "fashion-mnist").iterdir():
+        (copy / f.name).symlink_to(f)
+    run = tmp_path / "run"
+    speedrun("train", "fashion-mnist", "--data-dir", tmp_path / "data", "--set", "model.widths=[8,8,8]",
+             "--set", "train.epochs=0.05", "--set", "eval.tta=none", "--device", "cpu", "--out", run)
+    assert json.loads((run / "summary.json").read_text())["data_path"] == str(copy)
+    done = export_module.export_run(run, "torchscript", out=tmp_path / "a.pt")
+    assert done.checked_on == f"256 test images of {copy}" and done.max_difference <= TOLERANCE
+    shutil.rmtree(tmp_path / "data")
+    done = export_module.export_run(run, "torchscript", out=tmp_path / "b.pt")
+    assert done.checked_on.startswith("256 random images (the run's test images are not at hand: dataset "
+                                      "'fashion-mnist' not found") and "--data-dir DIR" in done.checked_on
+    assert done.max_difference <= TOLERANCE and (tmp_path / "b.pt").is_file()

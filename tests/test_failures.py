@@ -27,6 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
+from speedrun.data.skipped import listed, skipped_line
 from speedrun.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from speedrun.errors import RunFolderError
 from speedrun.files import atomic_torch_save
@@ -367,7 +368,7 @@ def test_a_decompression_bomb_in_val_stops_the_run_naming_it_and_keeps_the_weigh
                     check=False)
     # the whole epoch was trained (steps 1 and 2) before the final evaluation met the bomb
     check_refused(proc, 1, bomb, "decompression bomb", "after step 2", out / "last_good.pt")
-    assert "2 steps in 1 epochs" in proc.stdout
+    assert "2 steps in 1 epoch, batch 32" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["config.toml", "last_good.pt"]
     state = torch.load(out / "last_good.pt", weights_only=True)     # the trained weights, kept
     assert state and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
@@ -391,6 +392,47 @@ def test_decompression_bombs_are_refused_naming_the_file_or_skipped_when_asked(t
                   "--out", tmp_path / "run")
     assert rc == 0, err
     assert 1 <= json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_images"] <= 2
+
+
+def test_skipped_images_are_named_at_the_end_and_in_the_summary(tmp_path, jpeg32):
+    """With data.skip_corrupt each skipped image is counted once however often it was met, and
+    named with why: in one line at the end of the run and in summary.json; `data prepare
+    --skip-corrupt` names them too."""
+    images = small_folder(jpeg32, tmp_path / "images")
+    bomb = png_bomb(images / "val" / "cat" / "huge.png")
+    broken = images / "train" / "dog" / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff not a JPEG after all")
+    out = tmp_path / "run"
+    proc = speedrun("train", *small_args(images, "folder", batch=32), "--set", "train.epochs=1",
+                    "--set", "data.skip_corrupt=true", "--out", out)
+    summary = json.loads((out / "summary.json").read_text())
+    named = {e["path"]: e["reason"] for e in summary["skipped_files"]}
+    assert summary["skipped_images"] == 2 and set(named) == {str(bomb), str(broken)}
+    assert summary["skipped_files_not_listed"] == 0
+    assert "pixels, over the limit of 89,478,485 (a decompression bomb" in named[str(bomb)]
+    assert named[str(broken)].startswith("cannot decode this image")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("speedrun: skipped ")]
+    assert len(lines) == 1 and lines[0].startswith("speedrun: skipped 2 unreadable images (data.skip_corrupt): ")
+    assert str(bomb) in lines[0] and str(broken) in lines[0] and f"all are listed in {out / 'summary.json'}" in lines[0]
+
+    proc = speedrun("data", "prepare", images, "--size", 32, "--out", tmp_path / "x.npz", "--workers", 1,
+                    "--skip-corrupt")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("speedrun: skipped ")]
+    assert len(lines) == 1 and "skipped 2 unreadable images" in lines[0]
+    assert str(bomb) in lines[0] and str(broken) in lines[0]
+
+
+def test_many_skipped_images_are_listed_up_to_a_cap_and_counted():
+    files = {f"/data/train/cat/{i:03d}.jpg": "cannot decode this image (not a recognised image format)"
+             for i in range(150)}
+    record = listed(files, 150)
+    assert len(record["skipped_files"]) == 100 and record["skipped_files_not_listed"] == 50
+    assert record["skipped_files"][0] == {"path": "/data/train/cat/000.jpg",
+                                          "reason": "cannot decode this image (not a recognised image format)"}
+    line = skipped_line({e["path"]: e["reason"] for e in record["skipped_files"]}, 150, "run/summary.json")
+    assert line.count("/data/train/cat/") == 5 and "; and 145 more; 100 are listed by name in run/summary.json" in line
+    assert skipped_line({"a.png": "why"}, 1, "s.json") == \
+        "skipped 1 unreadable image (data.skip_corrupt): a.png (why); all are listed in s.json"
 
 
 def write_png16(path: Path, values: np.ndarray) -> None:
@@ -603,6 +645,37 @@ def test_a_refused_resume_changes_nothing_and_the_plain_resume_still_works(tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_step"] == 1 and summary["steps"] == 2 and summary["tta"] == "none"
     assert (run / "config.toml").read_bytes() == (trained_run / "config.toml").read_bytes()
+
+
+def test_a_resume_without_its_config_and_an_unknown_recipe_are_named(tmp_path, cli, trained_run):
+    run = killed_run(trained_run, tmp_path / "killed")
+    (run / "config.toml").unlink()
+    before = snapshot(tmp_path)
+    err = check_refused(speedrun("train", "--resume", run, check=False), 2, f"--resume {run}: {run / 'config.toml'} "
+                        "is missing", "cannot be resumed", "put the run's config.toml back")
+    assert "no recipe named" not in err
+    # two sentences, with or without a name to suggest
+    check_refused(cli("train", "zzzz"), 2, "no recipe named 'zzzz' and no such file. Shipped recipes: ")
+    check_refused(cli("train", "cifar10"), 2, "no recipe named 'cifar10' and no such file; did you mean "
+                  "'cifar10-94'? Shipped recipes: ")
+    assert_unchanged(tmp_path, before)
+
+
+def test_a_missing_data_set_leaves_the_disk_as_it_was(tmp_path):
+    """Neither the --data-dir folder (nor its parents) nor ~/.cache/speedrun is made by a command
+    refused for want of its data, nor by the failed download before the refusal."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "SPEEDRUN_DATA": "", "SPEEDRUN_MIRROR": "http://127.0.0.1:9/"}
+    before = snapshot(tmp_path)
+    where = tmp_path / "x" / "y" / "z"
+    check_refused(speedrun("train", "cifar10-94", "--data-dir", where, "--out", tmp_path / "run", env=env,
+                           check=False), 1, "dataset 'cifar10' not found", where, "the download failed")
+    check_refused(speedrun("train", "fashion-mnist", env=env, check=False), 1, "dataset 'fashion-mnist' not found",
+                  home / ".cache" / "speedrun")
+    check_refused(speedrun("data", "export", "cifar10", "--data-dir", where, "--out", tmp_path / "png", env=env,
+                           check=False), 1, "dataset 'cifar10' not found")
+    assert_unchanged(tmp_path, before)
 
 
 def test_an_interrupted_run_is_not_taken_as_the_out_folder_of_a_new_run(tmp_path, cli, trained_run, cifar_small):

@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session, first_bad_step
 from speedrun import compat
 from speedrun.engine.runtime import Runtime, auto_cpu_precision, compiled_graphs, resolve_runtime
-from speedrun.models.speednet import global_max_pool
+from speedrun.models.speednet import global_max_pool, select_max_pool
 from speedrun.recipe import RecipeError, RuntimeConfig, load_recipe
 
 CPU = torch.device("cpu")
@@ -123,6 +124,68 @@ def test_bf16_autocast_trains_on_cpu(small):
     assert result.test_acc > 0.5
 
 
+def test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32(small):
+    """runtime.cast = model: weights, optimizer state and weight average in bf16, batch norm's
+    weights and statistics in fp32, no autocast; the run learns and its weights stay so."""
+    rt = _runtime(precision="bf16", cast="model")
+    assert rt.low_precision_model and isinstance(rt.autocast(), type(nullcontext()))
+    assert not _runtime(precision="fp32", cast="model").low_precision_model
+    # (a quarter of the slice: bf16 is emulated, and slow, on CPUs without it)
+    quarter = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048])
+    session = Session(_recipe("data.batch_size=128"), quarter, rt)
+    result = session.run()
+    assert result.test_acc > 0.4                                        # chance: 10%
+    for name, t in session.model.state_dict().items():
+        if t.is_floating_point():
+            norm = ".running_" in name or any(name == f"{m}.{p}" for m, mod in session.model.named_modules()
+                                              if isinstance(mod, nn.BatchNorm2d) for p in ("weight", "bias"))
+            assert t.dtype == (torch.float32 if norm else torch.bfloat16), name
+    assert {t.dtype for t in session.step.opt.state_tensors() if t.ndim} == {torch.bfloat16, torch.float32}
+    assert all(torch.isfinite(t.float()).all() for t in session.model.state_dict().values() if t.is_floating_point())
+
+
+def test_progressive_steps_shrink_full_size_batches_inside_the_step(small):
+    """augment.low_res = bilinear_in_step: the pipeline hands the step full-size batches and
+    the step shrinks them (plain bilinear) to the epoch's size before the model; it learns."""
+    recipe = _recipe("augment.translate=2", "augment.low_res=bilinear_in_step", "train.epochs=3",
+                     "data.progressive=[[0.0, 0.75], [0.5, 1.0]]")
+    session = Session(recipe, small, _runtime())
+    seen_by_step, seen_by_model = set(), set()
+    step = session.step
+    original = step.__call__
+
+    class Watched(type(step)):
+        def __call__(self, x, y, size=None):
+            seen_by_step.add((x.shape[-1], size))
+            return original(x, y, size)
+    step.__class__ = Watched
+    session.model.register_forward_pre_hook(lambda m, args: seen_by_model.add(args[0].shape[-1]))
+    result = session.run()
+    assert sorted(session.image_sizes()) == [20, 28]
+    assert seen_by_step == {(28, 20), (28, 28)}                 # always full size in, the size to shrink to
+    assert seen_by_model >= {20, 28}
+    assert result.test_acc > 0.5
+
+
+def test_augmenting_the_whole_epoch_at_once_gives_the_same_run_to_the_bit(small):
+    """augment.whole_epoch: the same per-image draws applied to the whole set at the start of
+    each epoch (translation, alternating flips, cutout, the smaller progressive size) give the
+    same batches, so the same weights, as augmenting batch by batch."""
+    sets = ["augment.translate=2", "augment.flip=alternating", "train.epochs=2", "augment.cutout=6",
+            "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"]
+    runs = [Session(_recipe(*sets, f"augment.whole_epoch={w}"), small, _runtime()).run() for w in ("false", "true")]
+    a, b = (r.state_dict for r in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert runs[0].test_acc == runs[1].test_acc > 0.5
+
+
+def test_whole_epoch_augmentation_is_refused_where_it_cannot_apply():
+    with pytest.raises(RecipeError, match="augment.whole_epoch"):
+        load_recipe("folder", ["augment.whole_epoch=true"])
+    with pytest.raises(RecipeError, match="augment.whole_epoch"):
+        load_recipe("cifar10-94", ["augment.whole_epoch=true", "data.prune=0.5"])
+
+
 def test_compiled_model_trains_and_compile_time_is_kept_apart(small, monkeypatch):
     monkeypatch.setenv("SPEEDRUN_COMPILE_BACKEND", "aot_eager")   # inductor: the matrix and the max-pool test
     recipe = _recipe("train.epochs=1", "model.widths=[8,16,24]")     # a model no other test compiles
@@ -171,6 +234,38 @@ def test_bf16_compiled_global_max_pool_has_finite_gradients():
     assert _compiled_bf16_grads_finite(global_max_pool)
     x = torch.randn(4, 5, 6, 6)
     assert torch.equal(global_max_pool(x), torch.amax(x, dim=(2, 3)))       # same values, eager
+    torch._dynamo.reset()
+    assert _compiled_bf16_grads_finite(select_max_pool)                     # model.global_pool_grad = select
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_the_select_max_pool_has_the_reference_gradients_without_scattering(layout):
+    """model.global_pool_grad = select: the values and the gradients of torch's adaptive
+    max-pool (every maximum unique in random fp32 data), eager and compiled by inductor, in the
+    input's memory layout; its backward graph has no scatter."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, 4, 4).contiguous(memory_format=layout).requires_grad_()
+    g = torch.randn(16, 32)
+    ref, = torch.autograd.grad(global_max_pool(x), x, g)
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm
+    pools = [select_max_pool, torch.compile(select_max_pool, dynamic=False, backend="aot_eager")]
+    if layout == torch.channels_last:                                       # (the GPU's layout; compiles slowly)
+        pools.append(torch.compile(select_max_pool, dynamic=False))
+    for pool in pools:
+        out = pool(x)
+        got, = torch.autograd.grad(out, x, g)
+        assert torch.equal(out, global_max_pool(x))
+        assert torch.equal(got, ref) and got.is_contiguous(memory_format=layout)
+    from torch._functorch.aot_autograd import aot_function
+    aot_function(select_max_pool, fw_compiler=capture, bw_compiler=capture)(x).backward(g)
+    backward_ops = {str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"}
+    assert not any("scatter" in op or "max_pool" in op for op in backward_ops), backward_ops
+    assert any("where" in op for op in backward_ops)
 
 
 def test_one_compiled_model_per_process_and_no_recompiles_after_the_warm_up(small, monkeypatch):

@@ -180,3 +180,50 @@ def test_awkward_photos_are_decoded_once_and_a_corrupt_one_is_named_or_skipped(i
                     "--set", "data.skip_corrupt=true")
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["skipped_images"] == 1 and "unreadable images skipped" in proc.stdout
+    # named, from the decoded cache's record: in summary.json and once at the end
+    assert [e["path"] for e in summary["skipped_files"]] == [str(cls / "broken.jpg")]
+    assert f"speedrun: skipped 1 unreadable image (data.skip_corrupt): {cls / 'broken.jpg'} (" in proc.stdout
+
+
+def _pillow_folder(root, side: int, ext: str, n_train: int = 12, n_val: int = 4):
+    """A small folder of real image files made with Pillow: two classes (a light and a dark
+    pattern with noise), train/ and val/."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for k, cls in enumerate(("light", "dark")):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                base = 190 if k == 0 else 60
+                pixels = np.clip(base + rng.normal(0, 30, (side, side + 16, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{i}.{ext}")
+    return root
+
+
+def test_model_fields_are_set_on_the_model_the_data_chose(tmp_path, cli):
+    """--set values under model. are applied once, to the model the data chose: photos' ResNet
+    takes model.width, small images' speed net model.widths; a field the chosen model lacks is
+    refused naming what the data chose and the fields that model has."""
+    from test_failures import check_refused
+    photos = _pillow_folder(tmp_path / "photos", 112, "jpg")
+    small = _pillow_folder(tmp_path / "small", 32, "png")
+    err = check_refused(cli("train", "folder", "--data-dir", photos, "--set", "model.widths=[16,32,32]",
+                            "--out", tmp_path / "a"), 2, "unknown recipe field 'model.widths'; did you mean "
+                        "'model.width'?", "photos (median shorter side 112 px", "depth", "variant", "zero_gamma")
+    assert "fields here: " in err
+    err = check_refused(cli("train", "folder", "--data-dir", small, "--set", "model.width=16",
+                            "--out", tmp_path / "b"), 2, "unknown recipe field 'model.width'; did you mean "
+                        "'model.widths'?", "small images (median shorter side 32 px", "whiten")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    out = tmp_path / "run"
+    proc = speedrun("train", "folder", "--data-dir", photos, "--set", "model.width=8", "--set", "train.epochs=1",
+                    "--set", "data.workers=1", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--out", out)
+    assert "from the data: photos" in proc.stdout and "kept as set: model.width" in proc.stdout
+    config = load_recipe(str(out / "config.toml"))
+    assert config.model.name == "resnet" and config.model.width == 8 and config.model.variant == "d"
+    out = tmp_path / "run-small"
+    speedrun("train", "folder", "--data-dir", small, "--set", "model.widths=[8,8,8]", "--set", "train.epochs=1",
+             "--set", "data.workers=1", "--out", out)
+    config = load_recipe(str(out / "config.toml"))
+    assert config.model.name == "speednet" and config.model.widths == [8, 8, 8]

@@ -6,6 +6,7 @@ value or an unknown field ends in one message naming the field.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import math
@@ -94,11 +95,17 @@ class AugmentConfig(Section):
     flip: Literal["none", "random", "alternating"] = "random"
     crop: Literal["translate", "random_resized"] = "translate"
     translate: int = Field(0, ge=0, le=16, description="random-crop shift in pixels (reflect padding)")
-    low_res: Literal["resize", "crop"] = Field(
+    low_res: Literal["resize", "crop", "bilinear_in_step"] = Field(
         "resize", description="how data.progressive makes its smaller training batches: resize (the whole "
-        "image, antialiased bilinear: objects smaller than at test time) or crop (a random window of that "
-        "size from the translated image: objects at the test-time scale, part of each image); crop needs "
-        "augment.crop = translate and device-resident data")
+        "image, antialiased bilinear, by the data pipeline: objects smaller than at test time), crop (a random "
+        "window of that size from the translated image: objects at the test-time scale, part of each image) or "
+        "bilinear_in_step (the whole augmented image, plain bilinear, inside the compiled training step, as the "
+        "2026 CIFAR-10 record does); crop and bilinear_in_step need augment.crop = translate, crop also "
+        "device-resident data")
+    whole_epoch: bool = Field(False, description="device-resident data: augment the whole training set at the "
+                              "start of each epoch (normalise, pad, crop, flip, resize: the same per-image draws, "
+                              "so the same batches to the bit) and cut each batch from it with one gather; a few "
+                              "kernels an epoch instead of a few a step, for a copy of the set in the compute dtype")
     rrc_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     rrc_ratio: tuple[float, float] = Field((0.75, 4 / 3), description="random-resized-crop aspect range")
     rrc_antialias: bool = Field(False, description="random-resized crops cut on the device from images stored "
@@ -122,9 +129,9 @@ class AugmentConfig(Section):
             raise ValueError("augment.rrc_scale must be 0 < low <= high <= 1")
         if not 0 < self.rrc_ratio[0] <= self.rrc_ratio[1]:
             raise ValueError("augment.rrc_ratio must be 0 < low <= high")
-        if self.low_res == "crop" and self.crop != "translate":
-            raise ValueError("augment.low_res = crop cuts windows from translated images: it needs "
-                             "augment.crop = translate")
+        if self.low_res != "resize" and self.crop != "translate":
+            raise ValueError(f"augment.low_res = {self.low_res} shrinks translated images: it needs "
+                             "augment.crop = translate (random-resized crops are cut at the smaller size directly)")
         return self
 
 
@@ -164,10 +171,13 @@ class SpeedNetConfig(Section):
         None, description="convolutions per block before any residual branch (default 2 each)")
     residual: list[bool] | None = Field(None, description="add a two-conv residual branch per block")
     stem_width: int = Field(0, ge=0, description="width of a 1x1 conv after whitening; 0 = none")
-    activation: Literal["relu", "celu", "gelu"] = "gelu"
+    activation: Literal["relu", "celu", "gelu", "silu"] = "gelu"
     celu_alpha: float = Field(0.3, gt=0)
     out_scale: float = Field(1.0, gt=0, description="multiplier on the logits")
     identity_init: bool = Field(False, description="Dirac-initialise the first in-channels of each conv")
+    global_pool_grad: Literal["scatter", "select"] = Field(
+        "scatter", description="the global max-pool's backward: scatter (torch's adaptive max-pool, atomic adds "
+                               "on a GPU) or select (an element-wise select at the stored argmax, no atomics)")
     whiten: WhitenConfig = WhitenConfig()
     norm: NormConfig = NormConfig()
 
@@ -346,9 +356,14 @@ class DistributedConfig(Section):
 class RuntimeConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
-    compile_mode: Literal["default", "max-autotune", "reduce-overhead"] = Field(
+    compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = Field(
         "default", description="torch.compile mode: reduce-overhead replays CUDA graphs (CUDA only), "
-        "max-autotune also searches kernel configurations")
+        "max-autotune also searches kernel configurations (Triton templates against cuDNN for each convolution "
+        "shape; minutes of compilation), max-autotune-no-cudagraphs searches them without CUDA graphs")
+    cast: Literal["autocast", "model"] = Field(
+        "autocast", description="how bf16/fp16 is applied: autocast (fp32 weights, each op cast as it runs) or model "
+        "(the weights, optimizer state and activations stored in the compute dtype end to end, batch norm and its "
+        "statistics in fp32, no per-step casts; what the CIFAR-10 records do)")
     channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
     hold_memory: Literal["auto", "on", "off"] = Field(
@@ -394,6 +409,12 @@ class Recipe(Section):
         if self.data.prune and streamed:
             raise ValueError(f"data.prune={self.data.prune} keeps a loss per image of device-resident data "
                              "(cifar10, cifar100, fashion-mnist, npz); image folders are streamed: set data.prune=0")
+        if a.whole_epoch and streamed:
+            raise ValueError("augment.whole_epoch augments device-resident data (cifar10, cifar100, fashion-mnist, "
+                             "npz) a whole epoch at a time; image folders are streamed: set augment.whole_epoch=false")
+        if a.whole_epoch and self.data.prune:
+            raise ValueError(f"augment.whole_epoch augments every image each epoch; data.prune={self.data.prune} "
+                             "draws its batches from the images it keeps: set one of them off")
         if a.low_res == "crop" and streamed:
             raise ValueError("augment.low_res = crop cuts windows from device-resident images (cifar10, "
                              "cifar100, fashion-mnist, npz); image folders are streamed: set augment.low_res = resize")
@@ -475,7 +496,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         hint = difflib.get_close_matches(name_or_path, shipped, n=1)
         raise RecipeError(
             f"no recipe named {name_or_path!r} and no such file"
-            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + (f"; did you mean {hint[0]!r}?" if hint else ".")
             + f" Shipped recipes: {', '.join(sorted(shipped))}.")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -485,9 +506,27 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); a recipe is a TOML text file") from None
     except OSError as err:
         raise RecipeError(f"{path}: cannot read the recipe ({err.strerror})") from None
-    recipe = recipe_from_dict(apply_overrides(raw, list(overrides or [])), source=str(path))
-    recipe._overrides = list(overrides or [])
+    overrides = list(overrides or [])
+    held = held_for_data(raw, overrides)
+    recipe = recipe_from_dict(apply_overrides(raw, [o for o in overrides if o not in held]), source=str(path))
+    recipe._overrides = overrides
     return recipe
+
+
+CHOSEN_BY_DATA = ("model", "schedule")
+"""Sections whose kind a recipe with ``data.auto_choices`` leaves to the data (the folder
+recipe: its speed net for small images, a ResNet for photos)."""
+
+
+def held_for_data(raw: dict, overrides: list[str]) -> list[str]:
+    """The --set values that ``raw`` (a recipe whose folder data chooses the model) can check
+    only once the data has chosen: those under :data:`CHOSEN_BY_DATA`. The data layer applies
+    them, once, to the model the run will use; every other value is checked at once."""
+    data = apply_overrides(copy.deepcopy(raw), overrides).get("data")
+    if not (isinstance(data, dict) and data.get("auto_choices") is True
+            and data.get("dataset") in ("folder", "imagenette")):
+        return []
+    return [o for o in overrides if parse_override(o)[0][0] in CHOSEN_BY_DATA]
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:

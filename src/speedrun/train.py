@@ -9,13 +9,14 @@ import torch
 
 from .engine import flops
 from .data.dataset import open_source
+from .data.skipped import listed, skipped_line
 from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
 from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
 from .engine.runtime import device_name, pick_device, resolve_runtime
-from .errors import DistributedError, RecipeError, TrainingStopped
+from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
 from .models import weight_grad
 from .files import check_output_folder
 from .optim.orthogonal import ns_dtype
@@ -40,9 +41,10 @@ def flop_figures(result: RunResult, session: Session) -> dict:
     return {**total, **eff}
 
 
-TRAIN_SECONDS_REGION = ("first touch of the training data (moving it to the device, channel statistics, "
-                        "whitening) to the final TTA accuracy, the device synchronised at both ends; excludes "
-                        "the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
+TRAIN_SECONDS_REGION = ("first touch of the training data on the device (channel statistics, whitening) to the "
+                        "final TTA accuracy, the device synchronised at both ends; excludes the move of an "
+                        "in-memory data set to the device (made just before, as a loader that holds it there "
+                        "would), the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
                         "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
 
 
@@ -56,6 +58,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "recipe": recipe.name,
         "recipe_hash": recipe.digest(),
         "dataset": recipe.data.dataset,
+        "data_path": data_path(recipe, session.source),
         "target": recipe.target,
         "test_acc": result.test_acc,
         "test_acc_no_tta": result.test_acc_no_tta,
@@ -76,8 +79,7 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         "recompiles": result.recompiles,
         "wall_seconds": wall,
         "seed": result.seed,
-        "skipped_images": result.skipped_images + ((session.source.cache or {}).get("skipped_images") or 0
-                                                   if getattr(session.source, "cache", None) else 0),
+        **skipped_images(result, session.source),
         "resumed_from_step": result.resumed_from_step,
         "data_choices": list(getattr(session.source, "choices", None) or []),
         "data_cache": getattr(session.source, "cache", None),
@@ -86,6 +88,22 @@ def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, w
         **session.runtime.describe(),
         **env,
     }
+
+
+def skipped_images(result: RunResult, source) -> dict:
+    """The unreadable images the run left out (data.skip_corrupt): how many, and the first of
+    them by name with why, from the decoded cache and from the streamed batches."""
+    cache = getattr(source, "cache", None) or {}
+    count = result.skipped_images + (cache.get("skipped_images") or 0)
+    files = {**(getattr(source, "skipped_files", None) or {}), **result.skipped_files}
+    return {"skipped_images": count, **listed(files, count)}
+
+
+def data_path(recipe: Recipe, source) -> str | None:
+    """Where the run read its data, as an absolute path (evaluate and export look there): the
+    image folder or .npz file, or the folder holding a built-in set's files."""
+    where = recipe.data.path if recipe.data.dataset in ("folder", "npz") else getattr(source, "source", None)
+    return str(Path(where).expanduser().resolve()) if where else None
 
 
 def newton_schulz_dtype(recipe: Recipe, runtime) -> str | None:
@@ -122,7 +140,12 @@ def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
     path = Path(args.resume)
     folder = path if path.is_dir() else path.parent
     state = ckpt.load(path)
-    recipe = load_recipe(str(folder / "config.toml"), overrides)
+    config = folder / "config.toml"
+    if not config.is_file():
+        raise RunFolderError(f"--resume {folder}: {config} is missing (the run's resolved recipe, written beside "
+                             "checkpoint.pt when the run started), so the run cannot be resumed; put the run's "
+                             "config.toml back there, or start a new run with `speedrun train RECIPE --out DIR`")
+    recipe = load_recipe(str(config), overrides)
     if args.recipe and load_recipe(args.recipe, overrides).name != recipe.name:
         raise RecipeError(f"--resume {folder} is a run of {recipe.name!r}, not {args.recipe!r}")
     if recipe.digest() != state["recipe_hash"]:
@@ -282,6 +305,9 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
     if result.resumed_from_step is not None:
         rows.insert(4, ("resumed from step", str(result.resumed_from_step)))
     print_table(f"{recipe.name} on {summary['device_name']}", rows)
+    if summary["skipped_images"]:
+        files = {e["path"]: e["reason"] for e in summary["skipped_files"]}
+        say(skipped_line(files, summary["skipped_images"], record.folder / "summary.json"))
     return 0
 
 

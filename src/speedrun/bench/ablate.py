@@ -91,7 +91,11 @@ def tricks_of(recipe: Recipe, names: list[str] | None = None) -> list[Trick]:
 
 
 def with_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
-    return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=f"{recipe.name} variant")
+    """The variant; it keeps the user's --set values (and adds its own) for the data to apply
+    after choosing the model (a folder recipe's ``data.auto_choices``)."""
+    variant = recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=f"{recipe.name} variant")
+    variant._overrides = [*recipe._overrides, *overrides]
+    return variant
 
 
 def plan(recipe: Recipe, tricks: list[Trick], ladder: list[Trick] | None) -> list[dict]:

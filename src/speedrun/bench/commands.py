@@ -18,6 +18,7 @@ from ..engine import flops
 from .ablate import run_ablation
 from .compare import compare, load_bench
 from .runner import run_bench
+from .stats import CI_METHOD, P_VALUE_LABEL, p_value_text
 from .structure import real_batches, timed_step
 
 out = make_console()
@@ -28,6 +29,9 @@ def _fmt(d: dict, scale: float = 1.0, digits: int = 3) -> str:
     std = "n/a" if math.isnan(d["std"]) else f"{d['std'] * scale:.{digits}f}"
     ci = "" if math.isnan(lo) else f"  [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
     return f"{d['mean'] * scale:.{digits}f} ± {std}{ci}"
+
+
+CI_CAPTION = f"95% CI: {CI_METHOD}; for times its lower end is cut at 0 s, the least possible value"
 
 
 def _out_folder(path: Path | None, kind: str, recipe: str, filename: str) -> OutputFolder:
@@ -75,13 +79,13 @@ def print_bench(record: dict, path: Path) -> None:
     for region, d in s["times"].items():
         t.add_row(f"{region} (s)", _fmt(d))
     t.add_row("runs at target", f"{s['frac_at_target']:.0%} (target {record['target']:.2%})")
-    p = s["p_value_mean_at_least_target"]
-    t.add_row("p (mean ≥ target)", "n/a (one run)" if math.isnan(p) else f"{p:.3g}")
+    t.add_row(P_VALUE_LABEL, p_value_text(s["p_value_mean_at_least_target"]))
     t.add_row("compile + warm-up (s)", f"{record['compile_seconds']:.2f}")
     f = record.get("flops") or {}
     if f.get("utilisation"):
         t.add_row("utilisation", f"{f['utilisation']:.1%} of {f['peak_flops_per_s']:.3g} FLOP/s ({f['peak_source']})")
     t.add_row("record", str(path))
+    t.caption = CI_CAPTION
     out.print(t)
 
 
@@ -100,6 +104,7 @@ def compare_command(args) -> int:
               f"{result['time']['diff']:+.4f}", f"{result['time']['p']:.3g}")
     t.add_row("accuracy (%)", _fmt(result["a"]["test_acc"], 100), _fmt(result["b"]["test_acc"], 100),
               f"{result['test_acc']['diff'] * 100:+.3f}", f"{result['test_acc']['p']:.3g}")
+    t.caption = CI_CAPTION
     out.print(t)
     if not result["same_device"]:
         out.print("[yellow]note: the two records come from different devices; times are not comparable[/]")

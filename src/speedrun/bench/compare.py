@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import RecordError
 from ..files import expect, read_json_record
-from .stats import describe, welch
+from .stats import describe, describe_times, welch
 
 
 def load_bench(path: str | Path) -> dict:
@@ -67,9 +67,9 @@ def compare(a: dict, b: dict, region: str = "train+eval", alpha: float = 0.05) -
         "region": region,
         "alpha": alpha,
         "a": {"path": a.get("_path"), "recipe": a["recipe"], "recipe_hash": a.get("recipe_hash"),
-              "time": describe(ta), "test_acc": describe(aa)},
+              "time": describe_times(ta), "test_acc": describe(aa)},
         "b": {"path": b.get("_path"), "recipe": b["recipe"], "recipe_hash": b.get("recipe_hash"),
-              "time": describe(tb), "test_acc": describe(ab)},
+              "time": describe_times(tb), "test_acc": describe(ab)},
         "time": time_test,
         "test_acc": acc_test,
         "verdict": verdict,

@@ -13,25 +13,53 @@ import numpy as np
 from scipy import stats
 
 
-def describe(values: Sequence[float], confidence: float = 0.95) -> dict:
-    """Mean, sample std (ddof=1) and a t-based confidence interval for the mean."""
+CI_METHOD = "Student's t interval for the mean"
+
+
+def describe(values: Sequence[float], confidence: float = 0.95, floor: float | None = None) -> dict:
+    """Mean, sample std (ddof=1) and a t-based confidence interval for the mean. ``floor``:
+    the least value the quantity can take (0 for times); the interval's lower end is cut
+    there, which few runs with a wide spread would otherwise take below it (with 2 runs
+    the t quantile is 12.7)."""
     x = np.asarray(values, dtype=float)
     n = len(x)
     mean = float(x.mean()) if n else math.nan
+    method = CI_METHOD if floor is None else f"{CI_METHOD}, its lower end cut at {floor:g} (the least possible value)"
     if n < 2:
-        return {"n": n, "mean": mean, "std": math.nan, "ci95": [math.nan, math.nan]}
+        return {"n": n, "mean": mean, "std": math.nan, "ci95": [math.nan, math.nan], "ci95_method": method}
     std = float(x.std(ddof=1))
     if std == 0:
         lo = hi = mean
     else:
         lo, hi = stats.t.interval(confidence, n - 1, loc=mean, scale=std / math.sqrt(n))
-    return {"n": n, "mean": mean, "std": std, "ci95": [float(lo), float(hi)]}
+    if floor is not None:
+        lo = max(float(lo), floor)
+    return {"n": n, "mean": mean, "std": std, "ci95": [float(lo), float(hi)], "ci95_method": method}
+
+
+def describe_times(values: Sequence[float], confidence: float = 0.95) -> dict:
+    """:func:`describe` for durations in seconds: the interval never reaches below 0 s."""
+    return describe(values, confidence, floor=0.0)
+
+
+P_VALUE_LABEL = "one-sided t-test p-value (H0: mean ≤ target, H1: mean > target)"
+"""What :func:`p_mean_at_least` gives, in words for tables: a p-value, not a chance of reaching
+the target."""
+
+
+def p_value_text(p: float, alpha: float = 0.05) -> str:
+    """A p-value of :func:`p_mean_at_least` with what it says at level ``alpha``."""
+    if math.isnan(p):
+        return "n/a (fewer than 2 runs)"
+    if p < alpha:
+        return f"{p:.3g} (below {alpha:g}: evidence that the mean is above the target)"
+    return f"{p:.3g} (not below {alpha:g}: no evidence that the mean is above the target)"
 
 
 def p_mean_at_least(values: Sequence[float], target: float) -> float:
-    """One-sided one-sample t-test of H1: mean > target (H0: mean <= target).
-
-    A small p-value is evidence that the mean reaches the target."""
+    """The p-value of a one-sided one-sample t-test of H0: mean <= target against H1: mean >
+    target. A small p-value is evidence that the mean is above the target; a large one (near
+    1 for a mean far below it) is no evidence of anything, and never a chance of success."""
     x = np.asarray(values, dtype=float)
     if len(x) < 2:
         return math.nan

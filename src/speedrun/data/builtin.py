@@ -17,7 +17,9 @@ import pickle
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -62,6 +64,7 @@ class ArrayDataset:
     source: str
     choices: list = field(default_factory=list)        # what was chosen from the data, and why
     cache: dict | None = None                          # a decoded folder's cache, described
+    skipped_files: dict = field(default_factory=dict)  # a decoded folder's unreadable images left out: path -> why
     train_size: int = 0
     """Side of the training crops when it is not the stored side: a decoded folder is stored at
     its evaluation size and trained on smaller random-resized crops (0: the stored size)."""
@@ -83,6 +86,15 @@ class ArrayDataset:
     def stored_size(self) -> tuple[int, int]:
         """The size the training images are stored at."""
         return tuple(self.train_x.shape[2:])
+
+    def placed(self, device: torch.device, memory_format: torch.memory_format) -> "ArrayDataset":
+        """This data set with its images on ``device`` in ``memory_format`` (a copy where they
+        are not so already): the move a run makes before its clock starts, as a loader that
+        holds the set on the device has made it before training."""
+        move = lambda t: t.to(device, non_blocking=True)
+        return replace(self, train_x=move(self.train_x).contiguous(memory_format=memory_format),
+                       test_x=move(self.test_x).contiguous(memory_format=memory_format),
+                       train_y=move(self.train_y), test_y=move(self.test_y))
 
     @property
     def eval_size(self) -> tuple[int, int]:
@@ -166,25 +178,58 @@ def locate(spec: DatasetSpec, data_dir=None, fetch: bool = True) -> Path:
             archive = root / spec.archive
             looked.append(str(archive))
             if archive.is_file():
-                return _unpack(spec, archive, _writable_root(roots, prefer=root))
+                with writable_root(roots, prefer=root) as dest:
+                    return _unpack(spec, archive, dest)
     if not fetch:
         raise DataError(_missing_message(spec, looked, None))
-    dest_root = _writable_root(roots)
-    try:
-        return _fetch(spec, dest_root)
-    except ConnectionError as err:
-        raise DataError(_missing_message(spec, looked, err)) from None
+    with writable_root(roots) as dest_root:
+        try:
+            return _fetch(spec, dest_root)
+        except ConnectionError as err:
+            raise DataError(_missing_message(spec, looked, err)) from None
 
 
-def _writable_root(roots: list[Path], prefer: Path | None = None) -> Path:
+@contextmanager
+def writable_root(roots: list[Path], prefer: Path | None = None) -> Iterator[Path]:
+    """The first of ``roots`` (``prefer`` first) that is, or can be made, a writable folder.
+    The folders made for it are removed again when the work done there fails (a missing
+    dataset, a failed download): a refused command leaves the disk as it was."""
     for root in ([prefer] if prefer else []) + roots:
+        made = _missing_folders(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
-            if os.access(root, os.W_OK):
-                return root
+            usable = os.access(root, os.W_OK)
         except OSError:
+            usable = False
+        if not usable:
+            _remove_made(made)
             continue
+        try:
+            yield root
+        except BaseException:
+            _remove_made(made)
+            raise
+        return
     raise DataError("no writable place for dataset files among: " + ", ".join(map(str, roots)))
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_made(made: list[Path]) -> None:
+    """Remove the folders in ``made`` (deepest first) that are empty, stopping at the first that is not."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def _missing_message(spec: DatasetSpec, looked: list[str], err: Exception | None) -> str:

@@ -25,6 +25,7 @@ from ..errors import DataError
 from .arrays import load_npz
 from .builtin import ArrayDataset
 from .resident import resize
+from .skipped import LISTED
 from .folder import ImageList
 
 CACHE_VERSION = 1
@@ -119,7 +120,8 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
                          workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
         seconds = time.perf_counter() - t0
         made = True
-        info = {"skipped": result["skipped"], "decode_seconds": seconds,
+        info = {"skipped": result["skipped"], "skipped_files": dict(list(result["skipped_files"].items())[:LISTED]),
+                "decode_seconds": seconds,
                 "images_per_s": (len(train) + len(val)) / seconds if seconds else None,
                 "source": str(train.root.parent if train.root.name == "train" else train.root)}
         tmp = info_path.with_name(f"{info_path.name}.{os.getpid()}.tmp")   # ranks may make it at once
@@ -137,6 +139,8 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
     if eval_size and eval_size < size:
         ds.test_x = shrink(ds.test_x, eval_size)
     ds.name, ds.source = "folder", str(train.root)
+    named = info.get("skipped_files")
+    ds.skipped_files = named if isinstance(named, dict) else {}      # (a cache made by an older speedrun: none)
     description = {"cache": str(path), "cache_made_now": made, "cache_size": size, "eval_size": ds.eval_size[0],
                    "decode_seconds": round(seconds, 2) if made else None,
                    "decode_images_per_s": info.get("images_per_s"), "skipped_images": info.get("skipped", 0)}

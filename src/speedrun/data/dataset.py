@@ -77,8 +77,10 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                       user: list[str] | None = None) -> tuple[Recipe, list[str]]:
     """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
     recipe) the choices of :mod:`speedrun.data.choices`, under the user's ``--set`` values
-    (``user``), which are applied again last; else only the 'auto' sizes. Returns the recipe
-    (as it will run: auto_choices off, every value filled in) and the reasons to say."""
+    (``user``), which are applied last, to the sections the data chose (the model's were held
+    back until now: :func:`~speedrun.recipe.held_for_data`); else only the 'auto' sizes.
+    Returns the recipe (as it will run: auto_choices off, every value filled in) and the
+    reasons to say."""
     d, median = recipe.data, info["median_shorter_side"]
     if d.dataset != "folder":
         return recipe, []
@@ -91,7 +93,8 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
             else:
                 raw[k] = section
         raw = apply_overrides(raw, c.overrides + list(user or []) + ["data.auto_choices=false"])
-        recipe = recipe_from_dict(raw, source=recipe.name)
+        # an unknown field names the model the data chose, and lists that model's fields
+        recipe = recipe_from_dict(raw, source=f"{recipe.name} with what the data chose ({c.reasons[0]})")
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
         reasons = c.reasons + ([f"kept as set: {', '.join(kept)}"] if kept else [])
         return recipe, reasons
@@ -173,10 +176,18 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
     raise DataError(f"unknown dataset {d.dataset!r}")
 
 
+def place_source(source, runtime):
+    """``source`` ready for a run's first touch: an array data set's images already on the
+    device in the runtime's layout (moved before the run's clock starts); a folder as it is
+    (streamed: decoded and moved batch by batch, inside the clock)."""
+    return source if isinstance(source, FolderSource) else source.placed(runtime.device, runtime.memory_format)
+
+
 def open_pipeline(source, recipe: Recipe, runtime, seed: int, shard: Shard = Shard()):
     """The pipeline that feeds ``source`` to the engine for one run (the first touch of the
     data): streamed for an image folder, device-resident for arrays. ``shard``: this process's share of every training and evaluation batch."""
     if isinstance(source, FolderSource):
         return StreamedData(source, recipe, runtime, seed, shard)
     translate = recipe.augment.translate if recipe.augment.crop == "translate" else 0
-    return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate, shard)
+    return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate, shard,
+                        recipe.augment.whole_epoch)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..recipe import Recipe, recipe_from_dict
-from .builtin import _mirror, _writable_root, search_roots, unpack_checked
+from .builtin import _mirror, search_roots, unpack_checked, writable_root
 from .download import download, md5sum
 from .folder import IMAGE_EXTENSIONS
 
@@ -95,18 +95,19 @@ def locate_imagenette(spec: ImagenetteSpec, where=None) -> Path:
         archive = root / spec.archive
         looked.append(str(archive))
         if archive.is_file():
-            return unpack(spec, archive, _writable_root(roots, prefer=root))
-    dest = _writable_root(roots)
+            with writable_root(roots, prefer=root) as dest:
+                return unpack(spec, archive, dest)
     url = _mirror(spec) + spec.archive
-    try:
-        archive = download(url, dest / spec.archive)
-    except ConnectionError as err:
-        raise DataError(_missing_message(spec, looked, err)) from None
-    try:
-        return unpack(spec, archive, dest, fix=f"The download was removed again; check {url} and try again.")
-    except DataError:
-        archive.unlink(missing_ok=True)         # what speedrun fetched and refused is not kept
-        raise
+    with writable_root(roots) as dest:
+        try:
+            archive = download(url, dest / spec.archive)
+        except ConnectionError as err:
+            raise DataError(_missing_message(spec, looked, err)) from None
+        try:
+            return unpack(spec, archive, dest, fix=f"The download was removed again; check {url} and try again.")
+        except DataError:
+            archive.unlink(missing_ok=True)         # what speedrun fetched and refused is not kept
+            raise
 
 
 def _unpacked_here(folder: Path) -> bool:

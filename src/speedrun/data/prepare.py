@@ -26,6 +26,7 @@ from ..errors import DataError, RunFolderError
 from ..files import check_output_file, check_output_folder, disk_error, make_folder
 from .folder import ImageList, folder_splits, probe
 from .builtin import load_dataset
+from .skipped import Skipped
 from .stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
 
 DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
@@ -51,20 +52,21 @@ def _decode_one(args):
     out = _items[(i, size, 0)]
     if isinstance(out, Unreadable):
         raise DataError(str(out))
-    return i, (None if out is None else out[0].numpy().transpose(2, 0, 1))
+    return i, (out if isinstance(out, Skipped) else out[0].numpy().transpose(2, 0, 1))
 
 
 def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,
                   scratch: Path, label: str, decoder: str = "auto",
-                  device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decode a split into a scratch memmap; returns (images, kept labels)."""
+                  device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
+    """Decode a split into a scratch memmap; returns (images, kept mask, {skipped file: why})."""
     arr = np.lib.format.open_memmap(scratch / f"{label}.npy", mode="w+", dtype=np.uint8,
                                     shape=(len(images), channels, size, size))
     kept = np.ones(len(images), dtype=bool)
+    skipped: dict[int, Skipped] = {}          # list index -> why it was left out
     if decoder == "torchvision":
         _decode_on_device(images, channels, size, skip_corrupt, label, device or torch.device("cpu"), arr, kept)
         arr.flush()
-        return arr, kept
+        return arr, kept, {str(images.path(int(i))): "cannot decode this image" for i in np.flatnonzero(~kept)}
     items = ImageItems(images, Decoding(channels, False, decoder=decoder, skip_corrupt=skip_corrupt))
     jobs = [(i, size) for i in range(len(images))]
     with ExitStack() as stack:
@@ -74,15 +76,15 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
         task = bar.add_task(f"decoding {label}", total=len(jobs))
         if pool is not None:
             for i, x in pool.imap_unordered(_decode_one, jobs, chunksize=64):
-                _store(arr, kept, i, x)
+                _store(arr, kept, skipped, i, x)
                 bar.advance(task)
         else:
             _init_worker(items)
             for job in jobs:
-                _store(arr, kept, *_decode_one(job))
+                _store(arr, kept, skipped, *_decode_one(job))
                 bar.advance(task)
     arr.flush()
-    return arr, kept
+    return arr, kept, {s.path: s.reason for _, s in sorted(skipped.items())}
 
 
 def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt: bool, label: str,
@@ -100,9 +102,10 @@ def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt:
             bar.advance(task, stop - start)
 
 
-def _store(arr, kept, i, x) -> None:
-    if x is None:
+def _store(arr, kept, skipped, i, x) -> None:
+    if isinstance(x, Skipped):
         kept[i] = False
+        skipped[i] = x
     else:
         arr[i] = x
 
@@ -145,9 +148,10 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
     except OSError as err:
         raise disk_error(out, err) from None
     try:
-        x_train, keep_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch, "train",
-                                            decoder, device)
-        x_val, keep_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val", decoder, device)
+        x_train, keep_train, skipped_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch,
+                                                           "train", decoder, device)
+        x_val, keep_val, skipped_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val",
+                                                     decoder, device)
         tmp = scratch / "out.npz"
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_member(zf, "x_train", x_train, keep_train)
@@ -165,7 +169,7 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
             _remove_empty(out.parent, created)
     return {"out": str(out), "train": int(keep_train.sum()), "test": int(keep_val.sum()),
             "skipped": int((~keep_train).sum() + (~keep_val).sum()), "classes": len(train.classes),
-            "size": size, "channels": channels}
+            "size": size, "channels": channels, "skipped_files": {**skipped_train, **skipped_val}}
 
 
 def _make_parent(out: Path) -> list[Path]:

@@ -58,9 +58,12 @@ class ResidentData:
     crops_in_workers = False              # random-resized crops are cut here, on the device
 
     def __init__(self, ds: ArrayDataset, device: torch.device, dtype: torch.dtype,
-                 memory_format: torch.memory_format, translate: int = 0, shard: Shard = Shard()):
+                 memory_format: torch.memory_format, translate: int = 0, shard: Shard = Shard(),
+                 whole_epoch: bool = False):
         """``shard``: batches are this rank's share of each global batch
-        (every rank holds the whole set and draws the same permutation from the seed)."""
+        (every rank holds the whole set and draws the same permutation from the seed);
+        ``whole_epoch``: augment the whole training set at the start of each epoch and cut the
+        batches from it (``augment.whole_epoch``)."""
         self.train = ds.train_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.test = ds.test_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.mean, self.std = channel_stats(self.train)
@@ -73,7 +76,8 @@ class ResidentData:
         self.stored_size = tuple(self.train.shape[2:])
         self.dtype, self.memory_format, self.device = dtype, memory_format, device
         self.shard = shard
-        self.skipped = 0
+        self.whole_epoch = whole_epoch
+        self.skipped, self.skipped_files = 0, {}         # nothing is skipped here (a decoded cache says its own)
         self.pruner = None               # a LossPruner (data.prune), set by the engine
 
     @property
@@ -104,6 +108,15 @@ class ResidentData:
         mine = self.shard.train_positions(batch_size)
         if not isinstance(mine, slice):
             mine = torch.as_tensor(mine, device=self.device)
+        if self.whole_epoch:
+            # the same per-image draws applied to every image at once: the batches are the ones
+            # below to the bit, cut from one augmented copy of the set by a gather each
+            every = torch.arange(self.n_train, device=self.device)
+            images, _ = self._train_batch(every, augment, draws, size)
+            for i in range(skip, self.n_train // batch_size):
+                idx = perm[i * batch_size:(i + 1) * batch_size][mine]
+                yield images[idx].contiguous(memory_format=self.memory_format), self.train_y[idx]
+            return
         for i in range(skip, self.n_train // batch_size):
             idx = perm[i * batch_size:(i + 1) * batch_size][mine]
             yield self._train_batch(idx, augment, draws, size)

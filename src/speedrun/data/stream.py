@@ -30,6 +30,7 @@ from .augment import reflect_pad
 from .resized_crop import RRC_TRIES, centre_fallback
 from .folder import ImageList, decode, read_bytes
 from .shard import Shard
+from .skipped import Skipped, reason_of
 
 
 def default_workers(requested: int) -> int:
@@ -140,7 +141,7 @@ class ImageItems(Dataset):
                 x = self._resize_centre(data, path, size, 1.0 if d.train else d.eval_crop)
         except DataError as err:
             # reported from the main process (a worker's exception arrives wrapped in its traceback)
-            return None if d.skip_corrupt else Unreadable(str(err))
+            return Skipped(str(path), reason_of(str(err), path)) if d.skip_corrupt else Unreadable(str(err))
         return _hwc(x), int(self.images.labels[i]), i
 
     def _random_resized(self, data: bytes, path, size: int, rng: random.Random) -> np.ndarray:
@@ -176,11 +177,13 @@ class Unreadable(str):
 
 
 def collate(items):
+    """(uint8 images, labels, indices, [Skipped]) of a batch; (the error, None, None, []) when
+    an image could not be read and is not to be skipped."""
     failed = next((it for it in items if isinstance(it, Unreadable)), None)
     if failed is not None:
-        return failed, None, None, 0
-    kept = [it for it in items if it is not None]
-    skipped = len(items) - len(kept)
+        return failed, None, None, []
+    skipped = [it for it in items if isinstance(it, Skipped)]
+    kept = [it for it in items if not isinstance(it, Skipped)]
     if not kept:
         return None, None, None, skipped
     x = torch.stack([it[0] for it in kept]).permute(0, 3, 1, 2)     # N, C, H, W in channels-last memory
@@ -220,7 +223,7 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
     items = ImageItems(images, Decoding(channels, False, decoder=decoder, skip_corrupt=True, seed=seed))
     idx = np.random.default_rng(seed).choice(len(images), size=min(n, len(images)), replace=False)
     xs = [items[(int(i), size, 0)] for i in idx]
-    x = torch.stack([it[0] for it in xs if it is not None and not isinstance(it, Unreadable)])
+    x = torch.stack([it[0] for it in xs if not isinstance(it, (Unreadable, Skipped))])
     x = x.permute(0, 3, 1, 2).float()
     return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
 
@@ -240,7 +243,7 @@ class StreamedData:
         self.translate = aug.translate if aug.crop == "translate" else 0
         self.mean = source.mean.reshape(-1).to(self.device)          # (C,), 0..255 units
         self.std = source.std.reshape(-1).to(self.device)
-        self.skipped = 0
+        self.skipped_files: dict[str, str] = {}     # unreadable images skipped (data.skip_corrupt): path -> why
         workers = default_workers(cfg.workers)
         self.common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
                            persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
@@ -253,6 +256,15 @@ class StreamedData:
         self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **self.common)
         self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **self.common)
 
+    @property
+    def skipped(self) -> int:
+        """Images skipped as unreadable so far, each counted once however often it was met."""
+        return len(self.skipped_files)
+
+    def _note(self, skipped: list[Skipped]) -> None:
+        for s in skipped:
+            self.skipped_files.setdefault(s.path, s.reason)
+
     def _to_device(self, x_u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x_u8.to(self.device, non_blocking=True).float()
         return ((x - self.mean[:, None, None]) / self.std[:, None, None]).to(dtype or self.dtype)
@@ -264,7 +276,7 @@ class StreamedData:
         self.train_sampler.set_epoch(epoch, size or self.image_size[0], skip)
         draws = augment.draw(epoch)
         for x_u8, y, idx, skipped in self.train_loader:
-            self.skipped += skipped
+            self._note(skipped)
             if x_u8 is None:
                 continue
             if isinstance(x_u8, Unreadable):
@@ -281,7 +293,7 @@ class StreamedData:
         """test_batches with the validation-list index of each image (unreadable images skipped
         with data.skip_corrupt leave gaps)."""
         for x_u8, y, idx, skipped in self.val_loader:
-            self.skipped += skipped
+            self._note(skipped)
             if isinstance(x_u8, Unreadable):
                 raise DataError(str(x_u8))
             if x_u8 is not None:
@@ -298,7 +310,8 @@ class StreamedData:
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
                             collate_fn=collate, multiprocessing_context=self.common["multiprocessing_context"])
         batches = []
-        for x, _, _, _ in loader:
+        for x, _, _, skipped in loader:
+            self._note(skipped)
             if isinstance(x, Unreadable):
                 raise DataError(str(x))
             if x is not None:

@@ -24,7 +24,7 @@ import torch
 
 from ..data.augment import BatchAugment
 from ..data.choices import nearest_multiple
-from ..data.dataset import open_pipeline
+from ..data.dataset import open_pipeline, place_source
 from ..data.pruning import LossPruner
 from ..data.shard import Shard
 from ..errors import DataError, RecipeError
@@ -38,7 +38,7 @@ from .batch_finder import check_model_memory, fit_batch
 from .distributed import World
 from .evaluate import evaluate
 from .runtime import Runtime, compiled_graphs, compiled_model
-from .step import TrainStep, load_teacher
+from .step import TrainStep, load_teacher, resized_in_step
 from .warmup import warm_up as run_warm_up
 
 NONFINITE_PATIENCE = 20
@@ -84,6 +84,7 @@ class RunResult:
     history: list[EpochRecord] = field(default_factory=list)
     state_dict: dict | None = None
     skipped_images: int = 0
+    skipped_files: dict[str, str] = field(default_factory=dict)   # unreadable images skipped: path -> why
     resumed_from_step: int | None = None
     normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
     test_images: int = 0
@@ -110,7 +111,7 @@ class DataFailure(RuntimeError):
 
 
 class NullProgress:
-    def start(self, total_steps: int, epochs: int, batch_size: int) -> None: ...
+    def start(self, total_steps: int, epochs: float, batch_size: int) -> None: ...
     def step(self) -> None: ...
     def epoch(self, record: EpochRecord) -> None: ...
 
@@ -294,7 +295,7 @@ class Session:
         check_model_memory(self.recipe.model, self.source.in_channels, self.source.num_classes, rt.device)
 
         def build():
-            model = self._fresh_model(seed).to(rt.device, memory_format=rt.memory_format)
+            model = rt.place(self._fresh_model(seed))
             group = distributed.norm_group(self.recipe.model.norm.sync_ranks, world)
             for m in model.modules():
                 if isinstance(m, BatchNorm):
@@ -308,7 +309,7 @@ class Session:
             self.module = wrap(model)
             return model, self.module
         key = (self.recipe.model.model_dump_json(), self.source.in_channels, self.source.num_classes,
-               str(rt.device), rt.precision, rt.channels_last, rt.compile_mode, rt.compile_backend, world.size)
+               str(rt.device), rt.precision, rt.cast, rt.channels_last, rt.compile_mode, rt.compile_backend, world.size)
         model, forward, reused = compiled_model(key, build, rt, wrap)
         self.module = getattr(forward, "_orig_mod", forward)
         if reused:                                      # as built from the seed, but in the same tensors
@@ -390,11 +391,13 @@ class Session:
             self.reset(seed)
         self._reset_for = None
         graphs_before = compiled_graphs() if rt.compile else 0
-        progress.start(self.total_steps, self.n_epochs, r.data.batch_size)
+        # the epochs the run trains, a fraction where its last epoch is partial (as the summary says)
+        progress.start(self.total_steps, self.total_steps / self.steps_per_epoch, r.data.batch_size)
 
+        source = place_source(self.source, rt)          # (the move to the device: before the clock)
         clock = Clock(rt)
-        # --- first touch of the training data: move, measure, whiten --------------------
-        data = open_pipeline(self.source, r, rt, seed, self.shard)
+        # --- first touch of the training data: measure, whiten ---------------------------
+        data = open_pipeline(source, r, rt, seed, self.shard)
         whiten = getattr(model, "whiten", None)
         if whiten is not None and resume is None:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
@@ -456,6 +459,7 @@ class Session:
                          bookkeeping_seconds=clock.paused["bookkeeping"],
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
                          history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
+                         skipped_files=dict(data.skipped_files),
                          resumed_from_step=resume["step"] if resume else None,
                          normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test),
                          pass_images=list(self.step.pruner.kept) if self.step.pruner is not None else [])
@@ -492,12 +496,14 @@ class Session:
         st.skip = 0
         first = st.step - skip
         size = epoch_size(r, st.epoch, data.image_size[0])
-        for i, (x, y) in enumerate(data.epoch(st.epoch, r.data.batch_size, st.augment, st.gen, size=size, skip=skip),
-                                   start=skip):
+        in_step = resized_in_step(r)                  # the step shrinks the full-size batch itself
+        batches = data.epoch(st.epoch, r.data.batch_size, st.augment, st.gen, size=None if in_step else size,
+                             skip=skip)
+        for i, (x, y) in enumerate(batches, start=skip):
             if st.step == self.total_steps:
                 break
             rt.mark_step()
-            self.step(x, y)
+            self.step(x, y, size if in_step else None)
             st.step += 1
             progress.step()
             if checkpoint_dir is not None and every and st.step % every == 0 and st.step < self.total_steps:

@@ -62,6 +62,7 @@ class Runtime:
     choices: tuple[str, ...] = ()          # why each "auto" became what it is (said at start, recorded)
     hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
     conv_weight_grad: str = "torch"        # 3x3 weight gradients: torch's, gemm, or auto (models/weight_grad.py)
+    cast: str = "autocast"                 # bf16/fp16 by autocast, or the model stored in it (runtime.cast)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,10 +80,31 @@ class Runtime:
     def cudnn_benchmark(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def low_precision_model(self) -> bool:
+        """Whether the model's weights are stored in the compute dtype (``runtime.cast = "model"``)."""
+        return self.cast == "model" and self.precision != "fp32"
+
     def autocast(self):
-        if self.precision == "fp32":
+        """The forward's precision context: autocast to the compute dtype, or nothing where the
+        run is in fp32 or the model is already stored in the compute dtype."""
+        if self.precision == "fp32" or self.low_precision_model:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """``model`` on the device in the runtime's memory layout; with ``runtime.cast = "model"``
+        every parameter and buffer in the compute dtype except batch norm's (its weights and
+        running statistics stay fp32, as its statistics are computed: see ``model.norm.fp32``)."""
+        model = model.to(self.device, memory_format=self.memory_format)
+        if self.low_precision_model:
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    continue
+                for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                    if tensor.is_floating_point():
+                        tensor.data = tensor.data.to(self.dtype)
+        return model
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -128,7 +150,7 @@ class Runtime:
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
-                "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad,
+                "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
                 "runtime_choices": list(self.choices)}
 
 
@@ -260,8 +282,10 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if wgrad == "auto":
         choices.append("3x3 weight gradients: torch's kernel or nine matrix products, whichever each shape's first "
                        "step times clearly faster (runtime.conv_weight_grad=auto)")
+    if cfg.cast == "model" and precision == "fp32":
+        choices.append("runtime.cast=model has nothing to cast in fp32: the model stays fp32")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
-                   wgrad)
+                   wgrad, cfg.cast)
 
 
 # ------------------------------------------------------------------------------------------

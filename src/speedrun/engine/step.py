@@ -58,6 +58,12 @@ def drop_frozen_grads(compiled: bool, single_process: bool) -> bool:
     return not compiled and single_process
 
 
+def resized_in_step(recipe: Recipe) -> bool:
+    """Whether progressive resizing happens inside the training step (``augment.low_res =
+    "bilinear_in_step"``) rather than in the data pipeline."""
+    return bool(recipe.data.progressive) and recipe.augment.low_res == "bilinear_in_step"
+
+
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """Hinton et al. (2015): KL(teacher || student) of temperature-softened distributions,
     times T^2 so gradients keep their scale as T changes."""
@@ -97,7 +103,7 @@ def load_teacher(path: str | Path, runtime: Runtime, in_channels: int, num_class
     except RuntimeError as err:
         raise CheckpointError(f"{where}: the weights do not fit the model of its config.toml "
                               f"({str(err).splitlines()[0][:200]})") from None
-    return model.to(runtime.device, memory_format=runtime.memory_format).eval().requires_grad_(False)
+    return runtime.place(model).eval().requires_grad_(False)
 
 
 class LossScale:
@@ -187,8 +193,9 @@ class TrainStep:
     # ======================================================================================
     # The step
     # ======================================================================================
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Train on one batch; its loss and correct count go to :attr:`metrics`."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, size: int | None = None) -> None:
+        """Train on one batch; its loss and correct count go to :attr:`metrics`. ``size``: the
+        side the batch is shrunk to inside the step (``augment.low_res = "bilinear_in_step"``)."""
         losses, corrects = [], []
         if self.freezable:
             needed = self.host_step < self.whiten_steps
@@ -204,7 +211,7 @@ class TrainStep:
         per_image = []
         for i, (xm, ym, wm) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k), weights)):
             with self.no_sync() if i < self.k - 1 else nullcontext():
-                scaled, loss, correct, each = self._forward_loss(xm, ym, len(xm) / len(x), wm)
+                scaled, loss, correct, each = self._forward_loss(xm, ym, len(xm) / len(x), wm, size)
                 scaled.backward()
             losses.append(loss.clone() if copy_outputs else loss)
             corrects.append(correct.clone() if copy_outputs else correct)
@@ -216,11 +223,15 @@ class TrainStep:
         for p in self.params:
             p.grad = None
 
-    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float, weight: torch.Tensor | None = None):
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float, weight: torch.Tensor | None = None,
+                     size: int | None = None):
         """(loss to back-propagate, loss, correct count, each image's loss or None) of one
         micro-batch that is ``share`` of the batch; ``weight``: per-image loss weights
-        (``data.prune``), whose images' own losses are then returned too."""
+        (``data.prune``), whose images' own losses are then returned too; ``size``: the side
+        to shrink the images to first (plain bilinear, fused into the compiled step)."""
         r = self.r
+        if size is not None and size != x.shape[-1]:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
         with self.rt.autocast():
             if self.mixing:
                 pixel_lam, box, lam = self.mix.at(self.counter % self.total)

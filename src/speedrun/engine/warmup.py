@@ -20,6 +20,7 @@ from ..data.augment import BatchAugment, reflect_pad
 from ..data.resident import resize
 from ..data.shard import Shard
 from .evaluate import evaluate
+from .step import resized_in_step
 
 TRAIN_CALLS = 3
 """Training steps per image size (CUDA graphs record on the second or third call)."""
@@ -54,11 +55,13 @@ def warm_up(session) -> float:
     step = session.step
     step.idle()                                         # LR 0: kernels run, weights stay
     model.train()
+    in_step = resized_in_step(r)
     for size in session.image_sizes():
-        side = stored[0] if augment.resized_crop else size       # crops are cut from the stored images
+        # crops are cut from the stored images; a step that resizes itself gets full-size batches
+        side = stored[0] if augment.resized_crop or in_step else size
         x = augment(reflect_pad(randn(batch, c, side, side).to(rt.dtype), augment.translate),
                     torch.arange(batch, device=rt.device), draws, size if augment.resized_crop else None)
-        if x.shape[-1] != size:
+        if x.shape[-1] != size and not in_step:
             x = resize(x, size)
         x = x.contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
@@ -66,7 +69,7 @@ def warm_up(session) -> float:
             # the last call is a step that averages (eager decides every-N on the host)
             step.rewind(step.averaging_due_after if i == TRAIN_CALLS - 1 else 0)
             rt.mark_step()
-            step(x, y)
+            step(x, y, size if in_step else None)
         step.rewind()
 
     n_test = len(src.test_y)

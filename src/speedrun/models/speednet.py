@@ -22,7 +22,7 @@ from .whitening import PatchWhitening
 def activation(cfg: SpeedNetConfig) -> nn.Module:
     if cfg.activation == "celu":
         return nn.CELU(cfg.celu_alpha)
-    return nn.GELU() if cfg.activation == "gelu" else nn.ReLU()
+    return {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}[cfg.activation]()
 
 
 class Conv(weight_grad.Conv2d):
@@ -86,6 +86,7 @@ class SpeedNet(nn.Module):
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(c, num_classes, bias=False)
         self.out_scale = cfg.out_scale
+        self.pool = select_max_pool if cfg.global_pool_grad == "select" else global_max_pool
 
     @property
     def whiten(self) -> PatchWhitening | None:
@@ -95,7 +96,7 @@ class SpeedNet(nn.Module):
         return first if isinstance(first, PatchWhitening) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(global_max_pool(self.features(x))) * self.out_scale
+        return self.head(self.pool(self.features(x))) * self.out_scale
 
 
 def global_max_pool(x: torch.Tensor) -> torch.Tensor:
@@ -104,3 +105,39 @@ def global_max_pool(x: torch.Tensor) -> torch.Tensor:
     compiled in bf16 (inductor recomputes the activation in fp32) nothing matches, so its
     gradients are NaN from the first step."""
     return F.adaptive_max_pool2d(x, 1).flatten(1)
+
+
+class _SelectMaxPool(torch.autograd.Function):
+    """Global max-pool whose backward is an element-wise select: each position's gradient is
+    the pooled gradient where the position is its channel's stored argmax, else 0. Nothing is
+    scattered (adaptive_max_pool2d's backward adds into a zeroed tensor, with atomics on a
+    GPU), and nothing compares values (torch.amax's NaN trap in compiled bf16, above): inductor
+    fuses the select into the backward of the layers before it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        values, where = x.flatten(2).max(dim=2)              # (N, C) each; a view for NCHW and NHWC
+        ctx.save_for_backward(where)
+        ctx.shape = (n, c, h, w)
+        ctx.nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        return values
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (where,) = ctx.saved_tensors
+        n, c, h, w = ctx.shape
+        positions = torch.arange(h * w, device=grad.device)
+        if ctx.nhwc:                                          # build it in the input's layout: no copy after
+            hit = positions[None, :, None] == where[:, None, :]                    # (N, HW, C)
+            out = torch.where(hit, grad[:, None, :], grad.new_zeros(()))
+            return out.view(n, h, w, c).permute(0, 3, 1, 2)
+        hit = positions[None, None, :] == where[:, :, None]                        # (N, C, HW)
+        return torch.where(hit, grad[:, :, None], grad.new_zeros(())).view(n, c, h, w)
+
+
+def select_max_pool(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) -> (N, C): the global max-pool of :func:`global_max_pool` (the same values
+    and, where each maximum is unique, the same gradients) with a backward that needs no
+    atomics (``model.global_pool_grad = "select"``)."""
+    return _SelectMaxPool.apply(x)

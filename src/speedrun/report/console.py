@@ -2,6 +2,7 @@
 log file or a cluster job's output), and a short table at the end."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -46,6 +47,25 @@ class LogEvery:
         raise UsageError(f"--log-every {text!r}: give a number of steps (e.g. 100) or of seconds (e.g. 30s), above 0")
 
 
+def epochs_text(epochs: float) -> str:
+    """'1 epoch', '3.5 epochs': a run's length in epochs, as its summary gives it."""
+    return f"{epochs:g} epoch{'' if epochs == 1 else 's'}"
+
+
+class EpochCount:
+    """A run's epochs as the progress display names them: the whole ones by number, a partial
+    last one by the fraction the run reaches (a run of 3.5 epochs: 1/3.5, 2/3.5, 3/3.5, 3.5/3.5),
+    so that every line agrees with the summary's epochs."""
+
+    def __init__(self, epochs: float):
+        self.epochs = epochs
+        self.count = max(1, math.ceil(epochs - 1e-9))      # epochs begun, the last maybe partial
+
+    def label(self, epoch: int) -> str:
+        """'k/E' for epoch ``epoch`` (from 1) of E."""
+        return f"{min(epoch, self.epochs):g}/{self.epochs:g}"
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rest = divmod(seconds, 3600)
@@ -65,12 +85,12 @@ class LogLines:
     def print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def start(self, total_steps: int, epochs: int, batch_size: int) -> None:
-        self.total, self.epochs, self.batch = total_steps, epochs, batch_size
+    def start(self, total_steps: int, epochs: float, batch_size: int) -> None:
+        self.total, self.epochs, self.batch = total_steps, EpochCount(epochs), batch_size
         self.done, self.epoch_now, self.last_loss = 0, 1, None
         self.t0 = self.last_t = time.monotonic()
         self.last_done = 0
-        self.print(f"{self.title}: {total_steps} steps in {epochs} epochs, batch {batch_size}")
+        self.print(f"{self.title}: {total_steps} steps in {epochs_text(epochs)}, batch {batch_size}")
 
     def step(self) -> None:
         self.done += 1
@@ -82,15 +102,15 @@ class LogLines:
         rate = (self.done - self.last_done) * self.batch / max(now - self.last_t, 1e-9)
         eta = (now - self.t0) / self.done * (self.total - self.done)
         loss = "" if self.last_loss is None else f" (epoch {self.epoch_now - 1} loss {self.last_loss:.4f})"
-        self.print(f"{self.title} step {self.done}/{self.total} epoch {self.epoch_now}/{self.epochs} "
+        self.print(f"{self.title} step {self.done}/{self.total} epoch {self.epochs.label(self.epoch_now)} "
                    f"{rate:,.0f} img/s ETA {_duration(eta)}{loss}")
         self.last_t, self.last_done = now, self.done
 
     def epoch(self, rec) -> None:
         test = f" test acc {rec.test_acc:.4f}" if rec.test_acc is not None else ""
-        self.print(f"{self.title} epoch {rec.epoch}/{self.epochs} done: loss {rec.train_loss:.4f} "
+        self.print(f"{self.title} epoch {self.epochs.label(rec.epoch)} done: loss {rec.train_loss:.4f} "
                    f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s)")
-        self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs), rec.train_loss
+        self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs.count), rec.train_loss
 
 
 class ProgressBar:
@@ -105,19 +125,19 @@ class ProgressBar:
     def print(self, text: str) -> None:
         self.bar.console.print(text, markup=False, highlight=False)
 
-    def start(self, total_steps: int, epochs: int, batch_size: int) -> None:
-        self.epochs = epochs
+    def start(self, total_steps: int, epochs: float, batch_size: int) -> None:
+        self.epochs = EpochCount(epochs)
         if self.task is not None:
             self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(f"{self.title} epoch 1/{epochs}", total=total_steps, info="")
+        self.task = self.bar.add_task(f"{self.title} epoch {self.epochs.label(1)}", total=total_steps, info="")
 
     def step(self) -> None:
         self.bar.advance(self.task)
 
     def epoch(self, rec) -> None:
         test = f" test {rec.test_acc:.4f}" if rec.test_acc is not None else ""
-        nxt = min(rec.epoch + 1, self.epochs)
-        self.bar.update(self.task, description=f"{self.title} epoch {nxt}/{self.epochs}",
+        nxt = min(rec.epoch + 1, self.epochs.count)
+        self.bar.update(self.task, description=f"{self.title} epoch {self.epochs.label(nxt)}",
                         info=f"loss {rec.train_loss:.3f} train {rec.train_acc:.4f}{test}")
 
 

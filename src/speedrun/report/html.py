@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bench.stats import CI_METHOD, P_VALUE_LABEL
 from ..errors import RecipeError, RecordError
 from ..files import atomic_write_bytes, atomic_write_text, check_output_folder, read_json_record, read_text
 from ..optim.params import step_lr
@@ -95,10 +96,11 @@ def bench_report(path: Path) -> Report:
     rep.facts = [("mean test accuracy", _ci(s["test_acc"], 100, ".3f") + " %"),
                  ("target", _pct(b["target"])),
                  ("fraction of runs at target", _pct(s["frac_at_target"])),
-                 ("p-value, mean ≥ target (one-sided t-test)", _num(s["p_value_mean_at_least_target"])),
+                 (P_VALUE_LABEL, _num(s["p_value_mean_at_least_target"])),
                  ("compile / warm-up seconds", _num(b["compile_seconds"], ".2f"))]
     for region, d in s["times"].items():
         rep.facts.append((f"{region} seconds", _ci(d, 1, ".3f")))
+    rep.facts.append(("95% CI", f"{CI_METHOD}; for times its lower end is cut at 0 s, the least possible value"))
     if b.get("flops"):
         f = b["flops"]
         rep.facts += [("FLOPs per training image", f"{f['flops_per_train_image'] / 1e6:.1f} M"),

@@ -14,8 +14,9 @@ Each file also describes itself (input size and layout, mean and std, class name
 where normalisation happens): ONNX in ``metadata_props``, TorchScript in an extra file
 ``preprocessing.json``, safetensors in its header's ``__metadata__``.
 
-Before anything is written, the export is run on the run's own test images (random images
-where the data is not at hand; the output says which) and its logits are compared with the
+Before anything is written, the export is run on the run's own test images (from --data-dir,
+else from where the run read them, which its summary.json records; random images where the
+data is no longer there, and the output says so) and its logits are compared with the
 PyTorch model's; beyond the tolerance nothing is written. The file is written atomically.
 """
 from __future__ import annotations
@@ -71,7 +72,8 @@ class PixelsToLogits(nn.Module):
         self.register_buffer("std", std)
         self.register_buffer("scale", 1 / std)
         self.register_buffer("shift", -mean / std)
-        self.model = copy.deepcopy(loaded.model).cpu().to(memory_format=torch.contiguous_format)
+        # fp32 on the CPU whatever the run stored (runtime.cast = "model" keeps bf16/fp16 weights)
+        self.model = copy.deepcopy(loaded.model).cpu().float().to(memory_format=torch.contiguous_format)
         self.eval()
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -136,9 +138,11 @@ def _spread(n_available: int, n: int) -> np.ndarray:
 
 
 def _test_images(loaded: LoadedRun, data_dir, n: int) -> CheckImages:
-    """Up to ``n`` of the run's test images, as its evaluation prepared them (before normalising)."""
+    """Up to ``n`` of the run's test images, as its evaluation prepared them (before normalising),
+    from ``data_dir``, else from where the run read its data (as its summary.json records)."""
     data = loaded.recipe.data
     h, w = loaded.image_size
+    data_dir = data_dir or loaded.data_path()
     if data.dataset == "folder":
         path = data_dir or data.path
         train, val = folder_splits(path, data.val_fraction, data.split_seed)

@@ -22,6 +22,7 @@ import torch.nn as nn
 from PIL import Image
 
 from ..data.folder import ImageList, decode, read_bytes
+from ..data.skipped import reason_of
 from ..data.stream import Decoding, ImageItems, Unreadable
 from ..engine.checkpoint import read_weights
 from ..engine.runtime import Runtime, pick_device, resolve_runtime
@@ -73,6 +74,13 @@ class LoadedRun:
             return json.loads((self.folder / "summary.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+
+    def data_path(self) -> str | None:
+        """Where the run read its data (summary.json's ``data_path``: the folder holding a
+        built-in set's files, the image folder or the .npz file), or None where not recorded."""
+        summary = self.summary()
+        where = summary.get("data_path") if isinstance(summary, dict) else None
+        return where if isinstance(where, str) and where else None
 
 
 def _check_folder(folder: Path) -> None:
@@ -132,7 +140,7 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = None) -> L
         first = str(err).splitlines()[0][:200]
         raise CheckpointError(f"{folder / 'model.pt'}: the weights do not fit the model config.toml builds "
                               f"({first}); the folder mixes files of two runs") from None
-    model = model.to(dev, memory_format=runtime.memory_format).eval()
+    model = runtime.place(model).eval()
     return LoadedRun(folder, recipe, model, pre, [str(c) for c in pre["classes"]], runtime)
 
 
@@ -142,8 +150,7 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = None) -> L
 
 def _reason(message: str, path: Path) -> str:
     """The why of the data layer's 'cannot decode' message, without its advice on training."""
-    text = message.removeprefix(f"{path}: ")
-    return text.split(". Replace or delete")[0].split("; remove or shrink it")[0]
+    return reason_of(message, path)
 
 
 def _items(loaded: LoadedRun, paths: list[Path]) -> ImageItems:
