@@ -1,8 +1,12 @@
-"""The docs name every recipe field and every shipped recipe."""
+"""The docs name every recipe field and every shipped recipe, and the README's usage lines the
+options that say where the data is."""
+import argparse
+import re
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from speedrun.cli import build_parser
 from speedrun.recipe import Recipe, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,3 +32,85 @@ def test_every_recipe_field_is_documented():
 def test_every_shipped_recipe_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     assert all(f"`{name}`" in readme for name in shipped_recipes())
+
+
+def _commands_taking(option: str, parser=None, prefix: str = ""):
+    """'train', 'data export', ...: every command of the real parser that takes ``option``."""
+    parser = parser or build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if option in sub._option_string_actions:
+                    yield prefix + name
+                yield from _commands_taking(option, sub, f"{prefix}{name} ")
+
+
+def test_the_readme_usage_lines_show_data_dir_for_every_command_that_takes_it():
+    block = (ROOT / "README.md").read_text().split("## Commands", 1)[1].split("```")[1]
+    entries, current = [], None
+    for line in block.splitlines():
+        if line.startswith("speedrun "):
+            current = [line]
+            entries.append(current)
+        elif line.startswith(" ") and current is not None:
+            current.append(line)
+    commands = sorted(_commands_taking("--data-dir"))
+    assert {"train", "flops", "export", "evaluate", "data export"} <= set(commands)
+    for command in commands:
+        usage = [" ".join(e) for e in entries if e[0].startswith(f"speedrun {command} ")]
+        assert usage, f"no usage line for speedrun {command}"
+        # "[...]" stands for train's options (bench)
+        assert any("--data-dir" in u or "[...]" in u for u in usage), f"speedrun {command}: {usage}"
+
+
+def _results_page():
+    """scripts/results_page.py as a module (scripts/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_results_md_is_current_names_every_record_and_has_no_placeholders():
+    import re
+    import pytest
+    expected = _results_page().render()
+    page = ROOT / "docs" / "results.md"
+    if not page.is_file() or page.read_text(encoding="utf-8") != expected:
+        pytest.fail("docs/results.md is not what scripts/results_page.py writes from benchmarks/results/: "
+                    "run `python scripts/results_page.py` (after adding or changing a record) and commit the page",
+                    pytrace=False)
+    results = ROOT / "benchmarks" / "results"
+    records = [p for p in results.iterdir() if p.is_file()]
+    records += [p for d in results.iterdir() if d.is_dir() for p in d.rglob("*.json")]
+    names = sorted(p.relative_to(results).as_posix() for p in records)
+    missing = [n for n in names if f"`{n}`" not in expected]
+    assert not missing, f"records not named in docs/results.md: {missing}"
+    cells = [c.strip() for line in expected.splitlines() if line.startswith("|")
+             for c in line.strip().strip("|").split(" | ")]
+    placeholder = re.compile(r"[A-Z0-9_]*[A-Z][A-Z0-9_]*_[A-Z0-9_]*|X{2,}|\?+|")     # ZEN5_20, XX, ?, empty
+    bad = [c for c in cells if placeholder.fullmatch(c) or re.search(r"\b(TODO|TBD|FIXME|XXX?)\b", c)]
+    assert not bad, f"placeholder-like cells in docs/results.md: {bad}"
+
+
+def test_results_page_lists_records_it_cannot_read_under_other(tmp_path):
+    (tmp_path / "a-new-kind.json").write_text('{"benchmark": "a new kind of measurement", "figures": [1]}')
+    (tmp_path / "cut-short.json").write_text('{"benchmark": "speedrun train, whole pro')
+    (tmp_path / "speedrun-train-no-runs.json").write_text('{"benchmark": "speedrun train, whole process"}')
+    page = _results_page().render(tmp_path)
+    other = page.split("## Other records", 1)[1]
+    for name in ("a-new-kind.json", "cut-short.json", "speedrun-train-no-runs.json"):
+        assert f"`{name}`" in other
+    assert "a new kind of measurement" in other
+    assert _results_page().render(tmp_path) == page                  # the same bytes every time
+
+
+def test_the_readme_demo_names_the_cpu_of_every_time_and_says_how_to_vary_the_seed():
+    section = (ROOT / "README.md").read_text().split("## Install and run", 1)[1].split("Run the tests", 1)[0]
+    assert "seed" in section and "fixed at 0" in section and "`--seed N`" in section
+    blocks = [b for b in re.split(r"\n\s*\n|\n- ", section) if re.search(r"\d s\b", b)]
+    assert blocks
+    for block in blocks:                      # a time is given with the CPU that measured it
+        assert re.search(r"Intel Xeon|AMD (EPYC )?Zen", block), block
+    assert "expect" not in section            # no promise of how long it takes on the reader's CPU
