@@ -62,6 +62,7 @@ BENCH = ROOT / "benchmarks"
 sys.path[:0] = [str(ROOT / "src"), str(BENCH)]
 
 from peer_runner import CIFAR_FILES, PeerError, check_script, write_cifar10_pt  # noqa: E402
+from throughput_common import machine, read_commit  # noqa: E402
 from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
@@ -176,19 +177,6 @@ def check_data(data_dir: str | None, why: str) -> Path:
     return batches
 
 
-def read_commit(given: str | None) -> tuple[str | None, str]:
-    if given:
-        return given, "--commit"
-    if os.environ.get("SPEEDRUN_COMMIT"):
-        return os.environ["SPEEDRUN_COMMIT"], "$SPEEDRUN_COMMIT"
-    unknown = (None, "unknown (no git; pass --commit)")
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return unknown
-    return (out.stdout.strip(), "git rev-parse HEAD") if out.returncode == 0 else unknown
-
-
 # ------------------------------------------------------------------------------------------
 # The machine
 # ------------------------------------------------------------------------------------------
@@ -210,23 +198,6 @@ def gpu_state() -> list[dict] | None:
     lines = [line for line in out.stdout.strip().splitlines() if line.strip()]
     head = [h.strip() for h in lines[0].split(",")] if lines else []
     return [dict(zip(head, (v.strip() for v in line.split(",")))) for line in lines[1:]]
-
-
-def machine(commit: str | None, commit_source: str) -> dict:
-    import torch
-    from speedrun.report.environment import environment
-    env = environment()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:                                   # (not in CPU builds)
-        triton_version = None
-    env.update(triton_version=triton_version,
-               cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-               commit=commit, commit_source=commit_source)
-    if commit and commit_source != "git rev-parse HEAD":
-        env["git_commit"] = commit
-    return env
 
 
 # ------------------------------------------------------------------------------------------

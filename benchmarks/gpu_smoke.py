@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -47,6 +47,7 @@ from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.runtime import resolve_runtime  # noqa: E402
 from speedrun.recipe import apply_overrides, load_recipe, recipe_from_dict, steps_per_epoch  # noqa: E402
 from speedrun.report.environment import environment  # noqa: E402
+from throughput_common import busy_fraction, covered  # noqa: E402
 
 MIN_STEPS = 24
 """Entries are run for at least this many steps, so that step times can be taken."""
@@ -105,26 +106,6 @@ class StepTimer:
         else:
             gaps = [(b - a) * 1000 for a, b in zip(self.wall[2:], self.wall[3:])]
         return statistics.median(gaps) if gaps else None
-
-
-def covered(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of (start, end) intervals: kernels that overlap (several
-    streams) count once."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def busy_fraction(kernels: list[tuple[float, float]], window: tuple[float, float]) -> float:
-    """Share of the wall-clock ``window`` (start, end) in which some kernel ran, kernels
-    clipped to the window."""
-    lo, hi = window
-    clipped = [(max(a, lo), min(b, hi)) for a, b in kernels if b > lo and a < hi]
-    return covered(clipped) / (hi - lo) if hi > lo else float("nan")
 
 
 WINDOW = "speedrun.profiled_window"

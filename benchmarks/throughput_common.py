@@ -67,11 +67,17 @@ def read_commit(given: str | None) -> tuple[str | None, str]:
 
 def machine(commit: str | None, commit_source: str) -> dict:
     """speedrun's environment record (torch, CUDA, CPU, GPU name and clocks as found, git
-    state) with cuDNN's version and the commit as given."""
+    state) with triton's and cuDNN's versions and the commit as given."""
     import torch
     from speedrun.report.environment import environment
     env = environment()
-    env.update(cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:                                   # (not in CPU builds)
+        triton_version = None
+    env.update(triton_version=triton_version,
+               cudnn_version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
                commit=commit, commit_source=commit_source)
     if commit and commit_source != "git rev-parse HEAD":
         env["git_commit"] = commit
@@ -245,7 +251,7 @@ WINDOW = "speedrun.profiled_window"
 
 def covered(intervals) -> float:
     """Length of the union of (start, end) intervals (overlaps, e.g. several streams or nested
-    ops, count once)."""
+    ops, count once); gpu_smoke.py uses it too."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b <= end:
