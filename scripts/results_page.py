@@ -76,7 +76,7 @@ def sci(x) -> str:
 def count(x) -> str:
     if not is_num(x):
         return DASH
-    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
+    return f"{x:,.0f}" if float(x).is_integer() or abs(x) >= 1000 else f"{x:,.1f}"
 
 
 def mean(values):
@@ -371,8 +371,13 @@ GROUPS = [
      ("The `imagenette` recipes (and `folder` on the same photos) on the squashed 224 px copy of imagenette2 "
       "that `benchmarks/README.md` describes: whole `speedrun train` processes, and the recipe's tuning runs.")),
     ("photo", "Photo input pipelines",
-     ("Decoding a photo folder once against streaming it, the input pipelines alone, and whole runs of the "
-      "`folder` recipe on CIFAR-10 exported as JPEG files.")),
+     ("Decoding a photo folder once against streaming it, the input pipelines alone, whole runs of the "
+      "`folder` recipe on CIFAR-10 exported as JPEG files, and whole `speedrun train` runs on a synthetic "
+      "Imagenette-shaped folder against the model step alone (`benchmarks/photo_throughput.py`).")),
+    ("resnet50", "ResNet-50 training throughput",
+     ("`benchmarks/imagenet_throughput.py`: one device's training step of the recipe alone on a device-resident "
+      "random batch, then fed by speedrun's pipelines from a synthetic ImageNet-like JPEG folder; images/s are "
+      "medians of the timed blocks; a pipeline is model-bound at 90% of the model step's images/s or more.")),
     ("ab", "A against B: alternating or paired runs",
      ("Two settings or two trees measured one after the other on the same machine: B ÷ A below 1 means B took "
       "less (seconds) or counted fewer (ops, page faults).")),
@@ -421,8 +426,14 @@ TABLES = [
       "one training epoch: images/s, accuracy"]),
     ("photo_stream", "photo", "Streamed pipeline against a per-sample Pillow pipeline",
      ["record", *WHERE, "images", "workers", "images/s by pipeline and crop", "speed-up"]),
+    ("photo_throughput", "photo", "Whole runs against the model step (`benchmarks/photo_throughput.py`)",
+     ["record", "recipe, run", *WHERE, "images", "whole process, s", "train_seconds (compile before it, s)",
+      "pipeline images/s", "model step images/s", "pipeline ÷ model step", "bound by"]),
     ("photo_runs", "photo", "Whole processes", RUN_HEAD),
     ("photo_summary", "photo", "Single runs kept whole (run folders)", SUMMARY_HEAD),
+    ("resnet50", "resnet50", "Model step and pipelines",
+     ["record", "recipe", *WHERE, "batch × px", "model step, images/s", "pipelines: images/s (÷ model step, bound by)",
+      "compile, s"]),
     ("ab", "ab", "A against B", ["record", *WHERE, "A → B", "figures: A → B (× B ÷ A; ± points of accuracy)"]),
     ("step_structure", "step", "Structure of one training step (`benchmarks/step_structure.py`)",
      ["record", *WHERE, "recipe", "eager, by precision: eager ops / host syncs per step",
@@ -908,6 +919,32 @@ def stream_rows(rec: Record, d: dict):
                               cell(res), cell(speed)])]
 
 
+def photo_throughput_rows(rec: Record, d: dict):
+    rows = []
+    for r in d["runs"]:
+        s = r.get("summary") or {}
+        rows.append(("photo_throughput", [
+            rec.name_cell(), cell(f"`{r.get('recipe')}` run {r.get('run')}"), *where(rec), count(r.get("images")),
+            num(r.get("process_wall_seconds")), f"{num(s.get('train_seconds'))} ({num(s.get('compile_seconds'))})",
+            count(r.get("pipeline_images_per_second")), count(r.get("model_step_images_per_second")),
+            ratio(r.get("pipeline_over_model")), cell(r.get("bound_by"))]))
+    return rows
+
+
+def resnet50_rows(rec: Record, d: dict):
+    m = d["model_step"]
+    fed = []
+    for p in d.get("pipelines") or []:
+        if p.get("available") is False:
+            fed.append(f"{p.get('pipeline')}: not available")
+            continue
+        fed.append(f"{p.get('pipeline')}, {p.get('decoding')}: {count(p.get('images_per_second_median'))} "
+                   f"({ratio(p.get('pipeline_over_model'))}, {p.get('bound_by')})")
+    return [("resnet50", [rec.name_cell(), code(d.get("recipe")), *where(rec), f"{d.get('batch')} × {d.get('image_size')}",
+                          count(m.get("images_per_second_median")), cell("; ".join(fed)),
+                          num(d.get("compile_seconds"))])]
+
+
 def has(d, *keys) -> bool:
     return all(k in d for k in keys)
 
@@ -941,6 +978,9 @@ def reader_for(d):
          and all(isinstance(v, dict) and "test_acc" in v for v in d["result"].values()), variant_pair_rows),
         (has(d, "model_step_seconds", "runs"), tuning_rows),
         (has(d, "pipeline_images_per_s", "decode"), photo_input_rows),
+        (has(d, "runs", "model_step", "photos") and "photo_throughput" in str(d.get("script", "")),
+         photo_throughput_rows),
+        (has(d, "model_step", "pipelines", "scale_input"), resnet50_rows),
         (isinstance(runs, list) and bool(runs) and isinstance(runs[0], dict) and "workers_started_by" in runs[0]
          and "summary" in d, fork_server_rows),
         (isinstance(runs, list) and bool(runs) and isinstance(runs[0], dict) and "summary" in runs[0]

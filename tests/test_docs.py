@@ -114,3 +114,16 @@ def test_the_readme_demo_names_the_cpu_of_every_time_and_says_how_to_vary_the_se
     for block in blocks:                      # a time is given with the CPU that measured it
         assert re.search(r"Intel Xeon|AMD (EPYC )?Zen", block), block
     assert "expect" not in section            # no promise of how long it takes on the reader's CPU
+
+
+def test_results_page_reads_the_throughput_records_into_their_tables(tmp_path):
+    import shutil
+    src = ROOT / "benchmarks" / "results" / "gpu-h200-2026-11-26-1fab1ca"
+    for name in ("imagenet-throughput-resnet50.json", "photo-throughput-imagenette.json"):
+        shutil.copy(src / name, tmp_path / name)
+    page = _results_page().render(tmp_path)
+    assert "## Other records" not in page
+    resnet = page.split("## ResNet-50 training throughput", 1)[1]
+    assert "`imagenet-throughput-resnet50.json`" in resnet and "6,576" in resnet and "pipeline" in resnet
+    photo = page.split("## Photo input pipelines", 1)[1].split("\n## ", 1)[0]
+    assert "`photo-throughput-imagenette.json`" in photo and "3,331" in photo and "model" in photo
