@@ -45,7 +45,7 @@ from speedrun.data.dataset import open_source  # noqa: E402
 from speedrun.engine import checkpoint as ckpt  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.runtime import resolve_runtime  # noqa: E402
-from speedrun.recipe import apply_overrides, load_recipe, recipe_from_dict, steps_per_epoch  # noqa: E402
+from speedrun.recipe import load_recipe, steps_per_epoch  # noqa: E402
 from speedrun.report.environment import environment  # noqa: E402
 from throughput_common import busy_fraction, covered  # noqa: E402
 
@@ -162,7 +162,7 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
         recipe, source = open_source(recipe, data)
         spe = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         if recipe.train.epochs * spe < MIN_STEPS:       # enough steps to time (a GPU step takes ms)
-            recipe = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"train.epochs={MIN_STEPS / spe!r}"]))
+            recipe = recipe.with_values({"train.epochs": MIN_STEPS / spe})
         runtime = resolve_runtime(recipe.runtime, device)
         session = Session(recipe, source, runtime)
         steps = session.total_steps

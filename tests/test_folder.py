@@ -271,3 +271,33 @@ def test_streamed_run_resumes_bit_for_bit_from_a_mid_epoch_checkpoint(jpeg_dir, 
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(cut / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _linked_copy(src, dst):
+    """``dst``: the folder ``src`` with every file hard-linked (a copy where links are refused)."""
+    import shutil
+    shutil.copytree(src, dst, copy_function=_link_or_copy)
+    return dst
+
+
+def _link_or_copy(src, dst):
+    import shutil
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def test_a_data_folder_with_quotes_and_a_backslash_in_its_name_is_read_where_it_is(jpeg_dir, tmp_path):
+    """The folder --data-dir names is the one the run reads and records, whatever characters its
+    name holds, and `speedrun evaluate --data-dir` reads another such folder as given."""
+    weird = _linked_copy(jpeg_dir, tmp_path / 'my "data" \\ it\'s')
+    out = tmp_path / "run"
+    proc = speedrun("train", "folder", "--data-dir", weird, "--out", out, *QUICK, "--set", "data.workers=1")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_path"] == str(weird) and load_recipe(str(out / "config.toml")).data.path == str(weird)
+    assert "test accuracy" in proc.stdout and summary["test_acc"] > 0.18        # learned (chance: 10%)
+    other = _linked_copy(jpeg_dir, tmp_path / "back\\slash")
+    speedrun("evaluate", out, "--data-dir", other, "--device", "cpu")
+    e = json.loads((out / "evaluation.json").read_text())
+    assert str(other) in e["data"] and e["matches_record"] is True and e["images"] == 512

@@ -25,14 +25,14 @@ def test_photos_and_small_images_are_told_apart_by_their_size_only():
     photos = choose(224, 9469, 10, 512)
     assert "photos" in photos.line() and photos.sections["model"]["name"] == "resnet"
     assert photos.sections["optim"]["filters"] == "orthogonal" and "orthogonalised filter updates" in photos.line()
-    assert {"data.image_size=128", "data.eval_size=160", "data.eval_crop=1.0"} <= set(photos.overrides)
+    assert {"data.image_size": 128, "data.eval_size": 160, "data.eval_crop": 1.0}.items() <= photos.values.items()
     small = choose(32, 50_000, 10, 512)
     assert "small images" in small.line() and not small.sections
-    assert "data.image_size=32" in small.overrides and not any("batch_size" in o for o in small.overrides)
+    assert small.values["data.image_size"] == 32 and "data.batch_size" not in small.values
     # just below and at the threshold; photos smaller than 160 px train at 0.8 of their side
     assert not choose(PHOTO_SIDE - 8, 1000, 10, 512).sections
     edge = choose(PHOTO_SIDE, 1000, 10, 512)
-    assert edge.sections and "data.image_size=80" in edge.overrides and "data.eval_size=96" in edge.overrides
+    assert edge.sections and edge.values["data.image_size"] == 80 and edge.values["data.eval_size"] == 96
 
 
 def test_a_small_folder_gets_a_batch_that_fits_it():
@@ -41,7 +41,7 @@ def test_a_small_folder_gets_a_batch_that_fits_it():
     assert small_folder_batch(40, 512) == 16             # not below 16 ...
     assert small_folder_batch(10, 512) == 10             # ... nor above the set
     c = choose(32, 200, 10, 512)
-    assert "data.batch_size=32" in c.overrides and "batch 32 for 200 training images" in c.line()
+    assert c.values["data.batch_size"] == 32 and "batch 32 for 200 training images" in c.line()
 
 
 def test_the_folder_recipe_chooses_from_two_folders_and_keeps_what_the_user_set(jpeg32, imagenet224):

@@ -128,3 +128,30 @@ def test_filter_decay_shrinks_filters_between_norm_resets():
         opt.step()
     per_step = 0.05 * (1 - 0.85)                             # decoupled decay per step at multiplier 1
     assert torch.allclose(w.detach(), before * (1 - per_step) ** 3, rtol=1e-5)
+
+
+def test_with_values_sets_python_values_and_checks_them_as_a_loaded_recipe_is():
+    r = load_recipe("fashion-mnist", ["optim.lr=7.5"])
+    before = r.to_dict()
+    path = 'C:\\my "data" \\ it\'s'                       # no --set text could carry it back unchanged
+    new = r.with_values({"data.batch_size": 128, "model.norm.momentum": 0.5, "data.path": path,
+                         "augment.rrc_scale": (0.25, 1.0)})
+    assert new.data.batch_size == 128 and new.model.norm.momentum == 0.5 and new.data.path == path
+    assert new.augment.rrc_scale == (0.25, 1.0) and new.optim.lr == 7.5
+    assert r.to_dict() == before and new is not r                            # the original is left as it was
+    assert new._overrides == ["optim.lr=7.5"] and new._overrides is not r._overrides
+    assert r.with_values({}) == r
+    with pytest.raises(RecipeError) as err:
+        r.with_values({"optim.lrr": 1.0})
+    assert "fashion-mnist: unknown recipe field 'optim.lrr'; did you mean 'optim.lr'" in str(err.value)
+    with pytest.raises(RecipeError, match=r"mine: bad recipe value for 'model.norm.momentum' \(got 2\)"):
+        r.with_values({"model.norm.momentum": 2}, source="mine")
+    with pytest.raises(RecipeError, match="'eval.tta'"):
+        r.with_values({"eval.tta": "sideways"})
+    with pytest.raises(RecipeError, match="ghost_batch=48 must divide the micro-batch"):   # cross-field checks
+        r.with_values({"model.norm.ghost_batch": 48})
+    with pytest.raises(RecipeError, match="give exactly one of data.batch_size and data.per_device_batch"):
+        r.with_values({"data.per_device_batch": 64})
+    with pytest.raises(RecipeError, match="fashion-mnist: data.batch_size.x: 'batch_size' is a value, not a section"):
+        r.with_values({"data.batch_size.x": 1})
+    assert r.to_dict() == before

@@ -2,7 +2,8 @@
 
 A recipe is loaded from a shipped name (``cifar10-94``) or a path, overridden with
 ``--set key=value`` (dotted keys, TOML values), and validated by pydantic so that a bad
-value or an unknown field ends in one message naming the field.
+value or an unknown field ends in one message naming the field. Code that changes a recipe
+passes Python values (:meth:`Recipe.with_values`), never ``--set`` text, which is the user's.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import hashlib
 import math
 import re
 import tomllib
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -436,6 +438,18 @@ class Recipe(Section):
         """Recipes are equal when their fields are (not the --set values they were loaded with)."""
         return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
 
+    def with_values(self, values: Mapping[str, Any], source: str | None = None) -> Recipe:
+        """A new recipe with the fields named by dotted keys set to these Python values
+        (``{"data.batch_size": 512, "data.path": "/x"}``), validated as a loaded recipe is:
+        a bad value or an unknown field ends in a RecipeError naming it (``source``, default
+        the recipe's name, begins the message). This recipe is left as it is; the --set
+        values it was loaded with go with the new one (the data applies them again over
+        what it chooses)."""
+        source = source or self.name
+        changed = recipe_from_dict(set_values(self.to_dict(), values, source), source=source)
+        changed._overrides = list(self._overrides)
+        return changed
+
     # -- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", exclude_none=True)
@@ -471,16 +485,31 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def set_value(raw: dict, key: str, value: Any, where: str) -> None:
+    """Set the field of ``raw`` (a recipe as nested dicts) named by the dotted ``key``, making
+    the sections on the way; ``where`` begins the message when a part of the key is a value."""
+    *sections, field = key.split(".")
+    node = raw
+    for part in sections:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{where}: '{part}' is a value, not a section")
+        node = child
+    node[field] = value
+
+
+def set_values(raw: dict, values: Mapping[str, Any], source: str = "recipe") -> dict:
+    """``raw`` with each dotted key of ``values`` set to its Python value (unvalidated)."""
+    for key, value in values.items():
+        set_value(raw, key, value, f"{source}: {key}")
+    return raw
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``raw`` with the user's ``--set key=value`` texts applied in order (unvalidated)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = raw
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise RecipeError(f"--set {text}: '{part}' is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        set_value(raw, ".".join(path), value, f"--set {text}")
     return raw
 
 

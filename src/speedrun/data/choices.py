@@ -19,6 +19,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 PHOTO_SIDE = 96
 """Median shorter side (px) from which a folder is treated as photos."""
@@ -53,8 +54,8 @@ def default_eval_crop(size: int) -> float:
 
 @dataclass
 class Choices:
-    """Recipe overrides chosen from the data, and the reasons, one per choice."""
-    overrides: list[str] = field(default_factory=list)
+    """Recipe values chosen from the data (by dotted field name), and the reasons, one per choice."""
+    values: dict[str, Any] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     sections: dict = field(default_factory=dict)      # whole sections to replace (photos); None: to remove
 
@@ -85,10 +86,8 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
         train = min(PHOTO_TRAIN_SIDE, nearest_multiple(0.8 * median_side))
         evaluate = min(nearest_multiple(median_side), nearest_multiple(EVAL_OVER_TRAIN * train))
         data = preset["data"]
-        for k in PHOTO_DATA_FIELDS:
-            if k in data:
-                c.overrides.append(f"data.{k}={_toml(data[k])}")
-        c.overrides += [f"data.image_size={train}", f"data.eval_size={evaluate}", "data.eval_crop=1.0"]
+        c.values.update({f"data.{k}": data[k] for k in PHOTO_DATA_FIELDS if k in data})
+        c.values.update({"data.image_size": train, "data.eval_size": evaluate, "data.eval_crop": 1.0})
         model = preset["model"]
         net = f"ResNet-{model.get('depth', 50)}{model.get('variant', 'a').upper()}"
         if preset.get("optim", {}).get("filters") == "orthogonal":
@@ -100,25 +99,15 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
         batch = data.get("batch_size", batch_size)
     else:
         size = small_image_size(median_side)
-        c.overrides += [f"data.image_size={size}", f"data.eval_crop={default_eval_crop(size)}"]
+        c.values.update({"data.image_size": size, "data.eval_crop": default_eval_crop(size)})
         c.reasons.append(f"small images (median shorter side {median_side} px < {PHOTO_SIDE}): the speed net "
                          f"at {size} px")
         batch = batch_size
     fitted = small_folder_batch(n_train, batch)
     if fitted != batch:
-        c.overrides.append(f"data.batch_size={fitted}")
+        c.values["data.batch_size"] = fitted
         c.reasons.append(f"batch {fitted} for {n_train} training images (at least {MIN_STEPS_PER_EPOCH} steps "
                          "an epoch)")
     c.reasons.append(f"{n_classes} classes")
     return c
 
-
-def _toml(value) -> str:
-    """A value as the right-hand side of a --set override."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
+from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, set_values
 from .arrays import load_npz
 from ..errors import DataError
 from .folder import ImageList, folder_splits, probe
@@ -92,22 +92,21 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                 raw.pop(k, None)
             else:
                 raw[k] = section
-        raw = apply_overrides(raw, c.overrides + list(user or []) + ["data.auto_choices=false"])
         # an unknown field names the model the data chose, and lists that model's fields
-        recipe = recipe_from_dict(raw, source=f"{recipe.name} with what the data chose ({c.reasons[0]})")
+        source = f"{recipe.name} with what the data chose ({c.reasons[0]})"
+        raw = apply_overrides(set_values(raw, c.values, source), list(user or []))
+        recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source)
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
         reasons = c.reasons + ([f"kept as set: {', '.join(kept)}"] if kept else [])
         return recipe, reasons
-    overrides = []
+    values = {}
     size = d.image_size
     if not size:
         size = small_image_size(median)
-        overrides.append(f"data.image_size={size}")
+        values["data.image_size"] = size
     if not d.eval_crop:
-        overrides.append(f"data.eval_crop={default_eval_crop(size)}")
-    if not overrides:
-        return recipe, []
-    return recipe_from_dict(apply_overrides(recipe.to_dict(), overrides), source=recipe.name), []
+        values["data.eval_crop"] = default_eval_crop(size)
+    return (recipe.with_values(values) if values else recipe), []
 
 
 def device_count() -> int:
@@ -122,8 +121,7 @@ def resolve_batch(recipe: Recipe) -> Recipe:
     per = recipe.data.per_device_batch
     if not per:
         return recipe
-    return recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={per * device_count()}",
-                                                               "data.per_device_batch=0"]), source=recipe.name)
+    return recipe.with_values({"data.batch_size": per * device_count(), "data.per_device_batch": 0})
 
 
 def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayDataset | FolderSource]:
@@ -139,8 +137,7 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
         if not data_dir:
             what = "image folder" if d.dataset == "folder" else ".npz file"
             raise RecipeError(f"dataset '{d.dataset}' needs the {what}: pass --data-dir PATH or --set data.path=PATH")
-        recipe = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.path={str(data_dir)!r}"]),
-                                  source=recipe.name)
+        recipe = recipe.with_values({"data.path": str(data_dir)})
         d = recipe.data
     if d.dataset == "folder":
         train, val = folder_splits(d.path, d.val_fraction, d.split_seed)

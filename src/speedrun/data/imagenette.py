@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DataError
-from ..recipe import Recipe, recipe_from_dict
+from ..recipe import Recipe
 from .builtin import _mirror, search_roots, unpack_checked, writable_root
 from .download import download, md5sum
 from .folder import IMAGE_EXTENSIONS
@@ -65,13 +65,10 @@ def resolve_imagenette(recipe: Recipe, data_dir=None, spec: ImagenetteSpec | Non
     ``spec``: the archive to expect (default: the official one of ``data.imagenette_size``)."""
     spec = spec or OFFICIAL[recipe.data.imagenette_size]
     folder = locate_imagenette(spec, recipe.data.path or data_dir)
-    raw = recipe.to_dict()
-    raw["data"].update(dataset="folder", path=str(folder))
-    resolved = recipe_from_dict(raw, source=recipe.name)
-    if hasattr(recipe, "_overrides"):
-        # the user's --set values, applied again later, must not undo the rewrite
-        resolved._overrides = [o for o in recipe._overrides
-                               if o.split("=", 1)[0].strip() not in ("data.dataset", "data.path")]
+    resolved = recipe.with_values({"data.dataset": "folder", "data.path": str(folder)})
+    # the user's --set values, applied again later, must not undo the rewrite
+    resolved._overrides = [o for o in recipe._overrides
+                           if o.split("=", 1)[0].strip() not in ("data.dataset", "data.path")]
     return resolved
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ..models import build_model
 from ..optim.params import step_lr
-from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
+from ..recipe import Recipe, RecipeError
 
 
 OUT_OF_MEMORY_TEXTS = ("can't allocate memory",          # the CPU allocator
@@ -53,7 +53,7 @@ def _free(runtime) -> None:
 
 
 def _with_batch(recipe: Recipe, batch: int, runtime, say) -> Recipe:
-    new = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]), source=recipe.name)
+    new = recipe.with_values({"data.batch_size": batch})
     say(f"data.batch_size={recipe.data.batch_size} ran out of memory on {runtime.device}; using {batch}. "
         f"Per-step LR {step_lr(recipe.optim, recipe.data.batch_size):.4g} -> {step_lr(new.optim, batch):.4g} "
         f"({recipe.optim.lr_scaling} scaling from optim.ref_batch={recipe.optim.ref_batch})")
@@ -82,8 +82,7 @@ def fit_batch(recipe: Recipe, probe, runtime, say=print) -> Recipe:
             del err
             _free(runtime)
             batch = _smaller(recipe, batch, runtime.device)
-            candidate = recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.batch_size={batch}"]),
-                                         source=recipe.name)
+            candidate = recipe.with_values({"data.batch_size": batch})
     return recipe if batch == recipe.data.batch_size else _with_batch(recipe, batch, runtime, say)
 
 

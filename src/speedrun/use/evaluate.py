@@ -22,7 +22,7 @@ from ..engine.evaluate import evaluate
 from ..engine.runtime import compiled_model, device_name
 from ..errors import DataError
 from ..files import atomic_write_bytes, atomic_write_json, atomic_write_text, check_output_folder
-from ..recipe import Recipe, apply_overrides, recipe_from_dict
+from ..recipe import Recipe
 from ..report.evaluation import EVALUATION_FILES, confusion_figure, mistakes_figure
 from .loaded import LoadedRun, check_classes, decode_images, load_run
 
@@ -42,7 +42,7 @@ class TestSet:
 def _with_data_dir(recipe: Recipe, data_dir) -> Recipe:
     if data_dir is None or recipe.data.dataset not in ("folder", "npz"):
         return recipe
-    return recipe_from_dict(apply_overrides(recipe.to_dict(), [f"data.path={str(data_dir)!r}"]), source=recipe.name)
+    return recipe.with_values({"data.path": str(data_dir)})
 
 
 def open_test_set(loaded: LoadedRun, data_dir=None) -> TestSet:
