@@ -12,8 +12,9 @@ from scipy import stats
 from speedrun.engine import flops
 from speedrun.bench.ablate import TRICKS, epochs_to_target, plan, tricks_of
 from speedrun.bench.compare import compare
-from speedrun.bench.stats import P_VALUE_LABEL, describe, describe_times, p_mean_at_least, p_value_text, welch
+from speedrun.bench.stats import describe, describe_times, p_mean_at_least, p_value_text, welch
 from speedrun.recipe import RecipeError, load_recipe, total_steps
+from speedrun.report.bench_record import P_VALUE_LABEL
 
 from conftest import TINY_BENCH
 from test_cli import speedrun

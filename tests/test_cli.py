@@ -166,3 +166,13 @@ def test_progress_counts_the_epochs_the_run_trains(tmp_path, fashion_small):
     proc = speedrun(*common, "--set", "train.epochs=1", "--out", tmp_path / "b")
     assert "fashion-mnist: 8 steps in 1 epoch, batch 128" in proc.stdout
     assert re.findall(r"fashion-mnist epoch (\S+) done", proc.stdout) == ["1/1"]
+
+
+def test_the_command_table_lists_every_command_of_the_parser_and_loads_each():
+    import argparse
+
+    from speedrun.cli import COMMANDS, build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    for name, command in COMMANDS.items():
+        assert callable(command.load()), name

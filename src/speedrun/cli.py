@@ -8,7 +8,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from . import __version__
 from .errors import SpeedrunError, UsageError
@@ -118,13 +121,18 @@ def _scale_options(p) -> None:
                    help="print the model against published ResNet-50 runs (see docs/scaling.md)")
 
 
+def _add(sub, name: str) -> argparse.ArgumentParser:
+    """The parser of command ``name``, listed with its help from :data:`COMMANDS`."""
+    return sub.add_parser(name, help=COMMANDS[name].help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speedrun", description="Train image classifiers to a target "
                                      "accuracy in the least time, and measure it honestly.")
     parser.add_argument("--version", action="version", version=f"speedrun {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train one recipe once and write a run record")
+    p = _add(sub, "train")
     _recipe_options(p, "run folder (default: a new folder under runs/)", optional=True)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint.pt")
     p.add_argument("--find-batch", action="store_true",
@@ -134,20 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(RUN/steps.csv, RUN/epochs.csv); repeatable or a comma list (default: none, or what a "
                         "resumed run logged). Under torchrun spell it --loggers: torchrun takes --log for its own")
 
-    sub.add_parser("recipes", help="list the shipped recipes")
+    _add(sub, "recipes")
 
-    p = sub.add_parser("bench", help="N seeded runs in one process, with statistics (bench.json)")
+    p = _add(sub, "bench")
     _recipe_options(p, "folder for bench.json (default: a new folder under runs/)")
     p.add_argument("--runs", type=_positive_int, required=True, help="number of runs")
 
-    p = sub.add_parser("compare", help="compare two bench records with Welch t-tests")
+    p = _add(sub, "compare")
     p.add_argument("a", help="A: bench.json or its folder")
     p.add_argument("b", help="B: bench.json or its folder")
     p.add_argument("--region", default="train+eval", help="timing region (train+eval, end_to_end, run_start_to_stop)")
     p.add_argument("--alpha", type=_fraction, default=0.05, help="significance level (default 0.05)")
     p.add_argument("--json", help="also write the comparison to this JSON file")
 
-    p = sub.add_parser("ablate", help="benchmark the recipe with each trick turned off in turn")
+    p = _add(sub, "ablate")
     _recipe_options(p, "folder for ablate.json and ablation.png (default: a new folder under runs/)")
     p.add_argument("--runs", type=_positive_int, required=True, help="runs per variant")
     p.add_argument("--tricks", help="comma-separated tricks to ablate (default: every trick the recipe uses)")
@@ -157,15 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the interrupted ablation in --out: keep "
                    "its finished variants, run the rest (same recipe, --set, --seed, --runs, grid)")
 
-    p = sub.add_parser("flops", help="FLOPs per image and per run, peak, ideal time, data vs model time")
+    p = _add(sub, "flops")
     _recipe_options(p, "", log=False)
     p.add_argument("--steps", type=_positive_int, default=10, help="training steps to time for the data/model split")
     p.add_argument("--json", help="also write the figures to this JSON file")
 
-    _scale_options(sub.add_parser("scale", help="predict step time, throughput and scaling efficiency on 1 to "
-                                  "4,096 GPUs from one GPU's speed, the gradient size and the network (a model)"))
+    _scale_options(_add(sub, "scale"))
 
-    p = sub.add_parser("predict", help="classify image files with a finished run's model (probabilities, top-k)")
+    p = _add(sub, "predict")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a finished run (model.pt, config.toml)")
     p.add_argument("images", metavar="IMAGES", nargs="+", help="image files, folders (searched recursively) or "
                    "glob patterns ('photos/**/*.jpg')")
@@ -176,14 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--batch-size", type=_positive_int, help="images per forward pass (default: the run's eval.batch_size)")
 
-    p = sub.add_parser("evaluate", help="a finished run on its own test set: accuracy (equal to the run's), per "
-                       "class, top-5, confusion matrix, mistakes; written into the run folder")
+    p = _add(sub, "evaluate")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a finished run")
     p.add_argument("--data-dir", help="where the run's data is now (else where config.toml says, $SPEEDRUN_DATA, ...)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
 
-    p = sub.add_parser("export", help="a finished run's model as ONNX, TorchScript or safetensors, with its "
-                       "preprocessing in the file, checked against PyTorch on the run's test images")
+    p = _add(sub, "export")
     p.add_argument("run", metavar="RUN_DIR", help="the folder of a finished `speedrun train` run")
     p.add_argument("--format", choices=["onnx", "torchscript", "safetensors"], required=True)
     p.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.onnx, model.torchscript.pt "
@@ -193,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest difference of a logit from PyTorch's accepted (default 1e-4)")
 
-    p = sub.add_parser("report", help="an HTML (and Markdown) report of a run, bench or ablate folder")
+    p = _add(sub, "report")
     p.add_argument("target", help="a run folder, or a folder holding bench.json or ablate.json")
 
-    data = sub.add_parser("data", help="prepare an image folder as arrays, or export a built-in set as a folder")
+    data = _add(sub, "data")
     dsub = data.add_subparsers(dest="data_command", required=True)
     p = dsub.add_parser("prepare", help="decode an image folder once into a fixed-size uint8 .npz (memory-mapped)")
     p.add_argument("src", help="image folder (train/ and val/, or one folder to split)")
@@ -285,34 +290,84 @@ ONE_PROCESS = {"bench": "runs its seeded runs one after another in one process",
                "flops": "times one device", "predict": "runs on one device", "evaluate": "runs on one device"}
 
 
+Run = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command of the table: its help line (``speedrun --help`` lists it) and how to load
+    the function that runs it. The modules behind a command are imported only when it runs,
+    so that starting the command line costs no torch import."""
+    help: str
+    load: Callable[[], Run]
+
+
+def _train() -> ModuleType:
+    from . import train
+    return train
+
+
+def _bench() -> ModuleType:
+    from .bench import commands
+    return commands
+
+
+def _scale() -> ModuleType:
+    from .bench import scale_command
+    return scale_command
+
+
+def _predict() -> ModuleType:
+    from .use import predict
+    return predict
+
+
+def _evaluate() -> ModuleType:
+    from .use import evaluate
+    return evaluate
+
+
+def _export() -> ModuleType:
+    from .use import export
+    return export
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train one recipe once and write a run record", lambda: _train().train_command),
+    "recipes": Command("list the shipped recipes", lambda: _train().recipes_command),
+    "bench": Command("N seeded runs in one process, with statistics (bench.json)", lambda: _bench().bench_command),
+    "compare": Command("compare two bench records with Welch t-tests", lambda: _bench().compare_command),
+    "ablate": Command("benchmark the recipe with each trick turned off in turn", lambda: _bench().ablate_command),
+    "flops": Command("FLOPs per image and per run, peak, ideal time, data vs model time",
+                     lambda: _bench().flops_command),
+    "scale": Command("predict step time, throughput and scaling efficiency on 1 to 4,096 GPUs from one GPU's "
+                     "speed, the gradient size and the network (a model)", lambda: _scale().scale_command),
+    "predict": Command("classify image files with a finished run's model (probabilities, top-k)",
+                       lambda: _predict().predict_command),
+    "evaluate": Command("a finished run on its own test set: accuracy (equal to the run's), per class, top-5, "
+                        "confusion matrix, mistakes; written into the run folder",
+                        lambda: _evaluate().evaluate_command),
+    "export": Command("a finished run's model as ONNX, TorchScript or safetensors, with its preprocessing in the "
+                      "file, checked against PyTorch on the run's test images", lambda: _export().export_command),
+    "report": Command("an HTML (and Markdown) report of a run, bench or ablate folder",
+                      lambda: _bench().report_command),
+    "data": Command("prepare an image folder as arrays, or export a built-in set as a folder", lambda: data_command),
+}
+"""Every command, in the order ``speedrun --help`` lists them: the parser's commands and
+:func:`dispatch`'s come from here."""
+
+
 def dispatch(args) -> int:
+    """Run the command ``args`` names, after the checks and option spellings all commands share."""
     if args.command in ONE_PROCESS and detect().distributed:
         raise UsageError(f"speedrun {args.command} {ONE_PROCESS[args.command]}; start it without torchrun or srun "
                          "(only `speedrun train` trains across processes)")
     if hasattr(args, "log_every"):
         from .report.console import LogEvery
         args.log_every = LogEvery.parse(args.log_every)
-    if args.command == "train":
-        from .train import train_command
-        if args.find_batch:
-            args.overrides.append("runtime.find_batch=true")
-        return train_command(args)
-    if args.command == "recipes":
-        from .train import recipes_command
-        return recipes_command(args)
-    if args.command == "data":
-        return data_command(args)
-    if args.command in ("predict", "evaluate"):
-        from .use import evaluate, predict
-        return predict.predict_command(args) if args.command == "predict" else evaluate.evaluate_command(args)
-    if args.command == "export":
-        from .use.export import export_command
-        return export_command(args)
-    if args.command == "scale":
-        from .bench.scale_command import scale_command
-        return scale_command(args)
-    from .bench import commands
-    return getattr(commands, f"{args.command}_command")(args)
+    if getattr(args, "find_batch", False):          # train's --find-batch is runtime.find_batch
+        args.overrides.append("runtime.find_batch=true")
+    return COMMANDS[args.command].load()(args)
 
 
 def data_command(args) -> int:

@@ -14,7 +14,8 @@ from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
-from .engine.loop import DataFailure, NonFiniteLoss, RunResult, Session, settle
+from .engine.loop import DataFailure, NonFiniteLoss, Session, settle
+from .engine.records import RunResult
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
 from .models import weight_grad

@@ -13,12 +13,13 @@ from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
 from ..files import OutputFolder, atomic_write_bytes, atomic_write_json, check_output_file, read_json_record
 from ..recipe import load_recipe
+from ..report.bench_record import CI_METHOD, P_VALUE_LABEL, load_bench
 from ..report.console import TrainingProgress, make_console
 from ..engine import flops
 from .ablate import run_ablation
-from .compare import compare, load_bench
+from .compare import compare
 from .runner import run_bench
-from .stats import CI_METHOD, P_VALUE_LABEL, p_value_text
+from .stats import p_value_text
 from .structure import real_batches, timed_step
 
 out = make_console()

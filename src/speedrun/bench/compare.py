@@ -5,33 +5,9 @@ and the answer is put in one plain sentence."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from ..errors import RecordError
-from ..files import expect, read_json_record
 from .stats import describe, describe_times, welch
-
-
-def load_bench(path: str | Path) -> dict:
-    """A bench.json, checked to hold what compare and report read (else RecordError naming it)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "bench.json"
-    record = read_json_record(path, "bench.json", "runs", "make one with `speedrun bench`")
-    check_bench(record, path)
-    record["_path"] = str(path)
-    return record
-
-
-def check_bench(record: dict, path: Path) -> None:
-    expect(record.get("recipe"), str, path, "'recipe'")
-    expect(record.get("environment"), dict, path, "'environment'")
-    for i, run in enumerate(expect(record["runs"], list, path, "'runs'")):
-        expect(run, dict, path, f"runs[{i}]")
-        expect(run.get("test_acc"), (int, float), path, f"runs[{i}].test_acc")
-        expect(run.get("test_acc_no_tta"), (int, float), path, f"runs[{i}].test_acc_no_tta")
-        for region, seconds in expect(run.get("times"), dict, path, f"runs[{i}].times").items():
-            expect(seconds, (int, float), path, f"runs[{i}].times.{region}")
 
 
 def _p(p: float) -> str:

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import stats
 
-
-CI_METHOD = "Student's t interval for the mean"
+from ..report.bench_record import CI_METHOD
 
 
 def describe(values: Sequence[float], confidence: float = 0.95, floor: float | None = None) -> dict:
@@ -40,11 +39,6 @@ def describe(values: Sequence[float], confidence: float = 0.95, floor: float | N
 def describe_times(values: Sequence[float], confidence: float = 0.95) -> dict:
     """:func:`describe` for durations in seconds: the interval never reaches below 0 s."""
     return describe(values, confidence, floor=0.0)
-
-
-P_VALUE_LABEL = "one-sided t-test p-value (H0: mean ≤ target, H1: mean > target)"
-"""What :func:`p_mean_at_least` gives, in words for tables: a p-value, not a chance of reaching
-the target."""
 
 
 def p_value_text(p: float, alpha: float = 0.05) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CheckpointError, RecipeError
 from ..files import atomic_torch_save
+from .records import EpochRecord
 
 FORMAT = 3                    # 3: the training step's state in one entry (2: torch.optim state, host mixing rng)
 NAME = "checkpoint.pt"
@@ -90,7 +91,6 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
 def restore_run(state: dict, recipe, model, step, st) -> tuple[float, dict]:
     """Put a checkpoint back into the model, the training step and the loop's TrainState;
     returns the clock's (elapsed, paused) to continue from."""
-    from .loop import EpochRecord                 # (loop imports this module)
     if state["recipe_hash"] != recipe.digest():
         raise RecipeError("the checkpoint was written by a different recipe; resume with the run's own "
                           "config.toml (speedrun train --resume RUN_DIR)")

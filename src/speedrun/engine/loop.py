@@ -37,6 +37,7 @@ from . import flops
 from .batch_finder import check_model_memory, fit_batch
 from .distributed import World
 from .evaluate import evaluate
+from .records import EpochRecord, EpochSteps, RunResult
 from .runtime import Runtime, compiled_graphs, compiled_model
 from .step import TrainStep, load_teacher, resized_in_step
 from .warmup import warm_up as run_warm_up
@@ -44,51 +45,6 @@ from .warmup import warm_up as run_warm_up
 NONFINITE_PATIENCE = 20
 """With fp16 loss scaling a step whose loss or gradients overflow is skipped by the scaler
 (which lowers the scale); the run stops only after this many such steps in a row."""
-
-
-@dataclass
-class EpochRecord:
-    epoch: int
-    train_loss: float
-    train_acc: float
-    test_acc: float | None
-    lr: float
-    seconds: float
-    skipped_steps: int = 0
-
-
-@dataclass
-class EpochSteps:
-    """One epoch's training steps as host values, for metric logs: the losses from the
-    epoch's one read-back, the weight group's learning rate and the momentum (when the
-    schedule sets it) from the precomputed schedule. Steps are numbered from 1."""
-    epoch: int
-    first_step: int
-    loss: list[float]
-    lr: list[float]
-    momentum: list[float] | None
-
-
-@dataclass
-class RunResult:
-    seed: int
-    test_acc: float
-    test_acc_no_tta: float
-    epochs: float
-    steps: int
-    train_seconds: float
-    monitor_seconds: float
-    bookkeeping_seconds: float = 0.0
-    final_eval_seconds: float = 0.0             # the final evaluation with TTA (inside train_seconds)
-    recompiles: int = 0
-    history: list[EpochRecord] = field(default_factory=list)
-    state_dict: dict | None = None
-    skipped_images: int = 0
-    skipped_files: dict[str, str] = field(default_factory=dict)   # unreadable images skipped: path -> why
-    resumed_from_step: int | None = None
-    normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
-    test_images: int = 0
-    pass_images: list[int] = field(default_factory=list)   # data.prune: training images visited per pass
 
 
 class NonFiniteLoss(RuntimeError):

@@ -10,13 +10,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bench.stats import CI_METHOD, P_VALUE_LABEL
 from ..errors import RecipeError, RecordError
 from ..files import atomic_write_bytes, atomic_write_text, check_output_folder, read_json_record, read_text
 from ..optim.params import step_lr
 from ..optim.schedule import lr_multipliers, momenta
 from ..recipe import recipe_from_dict
 from . import plots
+from .bench_record import CI_METHOD, P_VALUE_LABEL, load_bench
 from .evaluation import evaluation_section
 
 
@@ -89,7 +89,6 @@ def run_report(folder: Path) -> Report:
 
 
 def bench_report(path: Path) -> Report:
-    from ..bench.compare import load_bench
     b = load_bench(path)
     s = b["summary"]
     rep = Report(f"speedrun bench: {b['recipe']} ({s['runs']} runs)")

@@ -158,7 +158,7 @@ class MetricLogs:
         self.last_row: dict | None = None
 
     def steps(self, s) -> None:
-        """One epoch's steps (a :class:`~speedrun.engine.loop.EpochSteps`)."""
+        """One epoch's steps (a :class:`~speedrun.engine.records.EpochSteps`)."""
         rows = [{"step": s.first_step + i, "epoch": s.epoch, "loss": loss, "lr": lr}
                 for i, (loss, lr) in enumerate(zip(s.loss, s.lr))]
         if s.momentum is not None:
@@ -172,7 +172,7 @@ class MetricLogs:
         self.step = s.first_step + len(s.loss) - 1
 
     def epoch(self, rec) -> None:
-        """One epoch's record (an :class:`~speedrun.engine.loop.EpochRecord`), at the step it ended on."""
+        """One epoch's record (an :class:`~speedrun.engine.records.EpochRecord`), at the step it ended on."""
         if self.tb is not None:
             self.tb.scalars(self.step, {"epoch/train_loss": rec.train_loss, "epoch/train_acc": rec.train_acc,
                                         "epoch/test_acc": rec.test_acc, "epoch/train_seconds": rec.seconds})
