@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from speedrun.bench.structure import real_batches, timed_step
-from speedrun.data.dataset import open_source
 from speedrun.engine.loop import Session
-from speedrun.engine.runtime import resolve_runtime
+from speedrun.engine.plan import plan_run
 from speedrun.files import atomic_write_json
 from speedrun.models import weight_grad as wg
 from speedrun.models.norm import BatchNorm
@@ -78,10 +77,10 @@ def main() -> int:
     args = p.parse_args()
     env = environment()      # (the commit that runs, read before it runs)
     recipe = load_recipe(args.recipe, args.sets)
-    rt = resolve_runtime(recipe.runtime, torch.device("cpu"), recipe.model.name).activate()
+    plan = plan_run(recipe, args.data_dir, torch.device("cpu"), fit_batch=False)
+    recipe, source, rt = plan.recipe, plan.source, plan.runtime.activate()
     if rt.precision != "bf16":
         raise SystemExit("these levers are for bf16 steps; this CPU runs the recipe in " + rt.precision)
-    recipe, source = open_source(recipe, args.data_dir)
     session = Session(recipe, source, rt, warm_up=True)
     frozen = session.step.freezable
     norms = [m for m in session.model.modules() if isinstance(m, BatchNorm)]

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_algorithm import Algorithm, autocast_for, load_cifar10, make_lookahead, make_optimizer  # noqa: E402
 from peers import first_touch, peer_model  # noqa: E402
-from speedrun.data.dataset import open_pipeline, open_source  # noqa: E402
-from speedrun.engine.loop import Session, total_steps  # noqa: E402
-from speedrun.engine.runtime import resolve_runtime  # noqa: E402
+from speedrun.data.dataset import open_pipeline  # noqa: E402
+from speedrun.engine.loop import Session  # noqa: E402
+from speedrun.engine.plan import plan_run  # noqa: E402
 from speedrun.files import atomic_write_json  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
 from speedrun.report.environment import environment  # noqa: E402
@@ -43,10 +43,9 @@ from speedrun.report.environment import environment  # noqa: E402
 def speedrun_engine(recipe, data_dir: str, precision: str):
     """A function running n speedrun training steps (batches from its pipeline), endlessly
     cycling epochs."""
-    recipe, source = open_source(recipe, data_dir)
-    runtime = resolve_runtime(recipe.runtime.model_copy(update={"precision": precision, "compile": "off"}),
-                              torch.device("cpu"), recipe.model.name, total_steps(recipe, len(source.train_y)),
-                              recipe.model.norm.fp32)
+    plan = plan_run(recipe.with_values({"runtime.precision": precision, "runtime.compile": "off"}), data_dir,
+                    torch.device("cpu"), fit_batch=False)
+    recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     session = Session(recipe, source, runtime)
     seed = recipe.train.seed
     session.reset(seed)

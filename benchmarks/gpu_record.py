@@ -628,14 +628,14 @@ def child_variant(args) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from speedrun.data.dataset import open_source
-    from speedrun.engine.loop import Session, settle
-    from speedrun.engine.runtime import pick_device, resolve_runtime
+    from speedrun.engine.loop import Session
+    from speedrun.engine.plan import plan_run
+    from speedrun.engine.runtime import pick_device
 
     t_start = time.perf_counter()
     recipe = load_recipe(args.recipe, [*SYNTHETIC_SETS, *args.sets])
-    runtime = resolve_runtime(recipe.runtime, pick_device(args.device))
-    recipe, source = open_source(recipe, args.npz)
-    recipe = settle(recipe, source, runtime)
+    plan = plan_run(recipe, args.npz, pick_device(args.device))
+    recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     t0 = time.perf_counter()
     session = Session(recipe, source, runtime, warm_up=True)
     rt = session.runtime

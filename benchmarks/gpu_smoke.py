@@ -41,10 +41,9 @@ import torch  # noqa: E402
 from matrix import MATRIX, Entry  # noqa: E402
 from speedrun.data import load_dataset  # noqa: E402
 from speedrun.data.prepare import export, prepare  # noqa: E402
-from speedrun.data.dataset import open_source  # noqa: E402
 from speedrun.engine import checkpoint as ckpt  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
-from speedrun.engine.runtime import resolve_runtime  # noqa: E402
+from speedrun.engine.plan import plan_run  # noqa: E402
 from speedrun.recipe import load_recipe, steps_per_epoch  # noqa: E402
 from speedrun.report.environment import environment  # noqa: E402
 from throughput_common import busy_fraction, covered  # noqa: E402
@@ -159,11 +158,11 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
     skips = counters["inductor"]["cudagraph_skips"]      # graphs inductor ran without CUDA graphs
     try:
         recipe = load_recipe(entry.recipe, sets)
-        recipe, source = open_source(recipe, data)
+        plan = plan_run(recipe, data, device, fit_batch=False)
+        recipe, source, runtime = plan.recipe, plan.source, plan.runtime
         spe = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         if recipe.train.epochs * spe < MIN_STEPS:       # enough steps to time (a GPU step takes ms)
             recipe = recipe.with_values({"train.epochs": MIN_STEPS / spe})
-        runtime = resolve_runtime(recipe.runtime, device)
         session = Session(recipe, source, runtime)
         steps = session.total_steps
         timer = StepTimer(device)

@@ -205,9 +205,9 @@ def run(args, commit, commit_source) -> int:
         from speedrun.data.device_decode import torchvision_io
         from speedrun.data.stream import default_workers
         from speedrun.engine.loop import Session
-        from speedrun.engine.runtime import pick_device, resolve_runtime
+        from speedrun.engine.plan import plan_run
+        from speedrun.engine.runtime import pick_device
         from speedrun.errors import DataError
-        from speedrun.recipe import total_steps
         device = pick_device(args.device)
         name = slug(device_label(device) if device.type == "cuda" else f"cpu-{device_label(device)}")
         out = args.out or ROOT / "benchmarks" / "results" / \
@@ -225,9 +225,8 @@ def run(args, commit, commit_source) -> int:
         made = photo_folder(folder, args.classes, per_class, args.val_per_class, sizes, args.quality)
         print(f"wrote {made['train_images'] + made['val_images']:,} JPEGs ({made['mean_bytes'] / 1e3:.0f} kB each) "
               f"in {made['write_seconds']:.1f} s", flush=True)
-        recipe, source = open_source(load_recipe(args.recipe, overrides(args, folder, "data.cache='off'")), folder)
-        runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
-                                  recipe.model.norm.fp32)
+        plan = plan_run(load_recipe(args.recipe, overrides(args, folder, "data.cache='off'")), folder, device)
+        recipe, source, runtime = plan.recipe, plan.source, plan.runtime
         t0 = time.perf_counter()
         session = Session(recipe, source, runtime, warm_up=True)
         build_seconds = time.perf_counter() - t0

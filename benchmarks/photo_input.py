@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 
 from speedrun.data.augment import BatchAugment
-from speedrun.data.dataset import open_pipeline, open_source
+from speedrun.data.dataset import open_pipeline
 from speedrun.data.prepare import prepare
-from speedrun.engine.runtime import resolve_runtime
+from speedrun.engine.plan import plan_run
 from speedrun.files import atomic_write_json
 from speedrun.recipe import load_recipe
 from speedrun.report.environment import environment
 
 
 def pipeline_rate(recipe, data_dir, batches: int) -> float:
-    recipe, source = open_source(recipe, data_dir)
-    rt = resolve_runtime(recipe.runtime, torch.device("cpu"), recipe.model.name, 1000)
+    plan = plan_run(recipe, data_dir, torch.device("cpu"), fit_batch=False)
+    recipe, source, rt = plan.recipe, plan.source, plan.runtime
     data = open_pipeline(source, recipe, rt, 0)
     gen = torch.Generator().manual_seed(0)
     aug = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,

@@ -124,17 +124,16 @@ def tail(text: str, n: int = 3000) -> str:
 
 def model_step_child(args) -> int:
     """Time a run's TrainStep alone at each of its training sizes; figures to --result."""
-    from speedrun.data.dataset import open_source
     from speedrun.engine.loop import Session
-    from speedrun.engine.runtime import pick_device, resolve_runtime
+    from speedrun.engine.plan import plan_run
+    from speedrun.engine.runtime import pick_device
     from speedrun.engine.step import resized_in_step
     from speedrun.files import atomic_write_json
-    from speedrun.recipe import load_recipe, total_steps
+    from speedrun.recipe import load_recipe
     recipe = load_recipe(str(args.model_step))
-    recipe, source = open_source(recipe, None)             # the run's cache, already made (same $SPEEDRUN_CACHE)
-    device = pick_device(args.device)
-    runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
-                              recipe.model.norm.fp32)
+    # the run's cache, already made (same $SPEEDRUN_CACHE); the run's batch, already fitted
+    plan = plan_run(recipe, None, pick_device(args.device), fit_batch=False)
+    recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     t0 = time.perf_counter()
     session = Session(recipe, source, runtime, warm_up=True)
     build = time.perf_counter() - t0

@@ -8,20 +8,19 @@ from pathlib import Path
 import torch
 
 from .engine import flops
-from .data.dataset import open_source
 from .data.skipped import listed, skipped_line
 from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
 from .engine.loop import DataFailure, NonFiniteLoss, Session, settle
+from .engine.plan import newton_schulz_dtype, plan_run
 from .engine.records import RunResult
 from .engine.runtime import device_name, pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
 from .models import weight_grad
 from .files import check_output_folder
-from .optim.orthogonal import ns_dtype
-from .recipe import Recipe, load_recipe, total_steps
+from .recipe import Recipe, load_recipe
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
@@ -107,15 +106,6 @@ def data_path(recipe: Recipe, source) -> str | None:
     return str(Path(where).expanduser().resolve()) if where else None
 
 
-def newton_schulz_dtype(recipe: Recipe, runtime) -> str | None:
-    """'bf16' or 'fp32' for a run with orthogonalised filter updates (optim.ns_precision as
-    resolved for this runtime), None without them."""
-    if recipe.optim.filters != "orthogonal":
-        return None
-    return "bf16" if ns_dtype(recipe.optim.ns_precision, runtime.device.type,
-                              runtime.precision) == torch.bfloat16 else "fp32"
-
-
 def preprocessing_of(recipe: Recipe, session: Session, result: RunResult) -> dict:
     """How the run's evaluation turned an image into the model's input, for predict, evaluate
     and export: decode to ``channels``; for a folder run, resize the shorter side to
@@ -163,7 +153,6 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
     and starts the run again. Only rank 0 shows progress and writes (the record and the
     ``--log`` metric logs)."""
     while True:
-        recipe = settle(recipe, source, runtime, say)     # the batch finder may change data.batch_size
         session = Session(recipe, source, runtime, world=world)
         if world.is_main:
             check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
@@ -187,7 +176,7 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
             if not (recipe.runtime.find_batch and is_out_of_memory(err) and resume is None):
                 raise
             del session, err
-            recipe = halve_batch(recipe, runtime, say)
+            recipe = settle(halve_batch(recipe, runtime, say), source, runtime, say)
             record.reset_metrics()
             if logs is not None:
                 logs.remove()
@@ -248,18 +237,8 @@ def train_command(args) -> int:
 def _train_into(record, recipe: Recipe, resume, device: torch.device, args, world: World) -> int:
     env = environment()
     say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
-    recipe, source = open_source(recipe, args.data_dir, say)
-    if getattr(source, "choices", None):
-        say("from the data: " + "; ".join(source.choices))
-    # resolved once the run's length is known: on a CPU, "auto" compiles only where that pays
-    runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
-                              recipe.model.norm.fp32)
-    for choice in runtime.choices:
-        say(choice)
-    ns = newton_schulz_dtype(recipe, runtime)
-    if ns:
-        say(f"orthogonalised filter updates: Newton-Schulz products in {ns} "
-            f"(optim.ns_precision={recipe.optim.ns_precision})")
+    plan = plan_run(recipe, args.data_dir, device, say, announce=True)
+    recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     try:
         session, result = _train(recipe, source, runtime, record, resume, say, args, world)
         recipe = session.recipe

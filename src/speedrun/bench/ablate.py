@@ -184,12 +184,13 @@ def check_resumable(previous: dict, recipe: Recipe, runs: int, grid: list[float]
         raise RecipeError("cannot resume this ablation; it differs in " + "; ".join(mismatches))
 
 
-def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list[str] | None = None,
+def run_ablation(recipe: Recipe, device, runs: int, data_dir=None, tricks: list[str] | None = None,
                  ladder: list[str] | None = None, grid: list[float] | None = None, out_path=None,
                  progress=None, on_variant=None, previous: dict | None = None) -> dict:
     """Benchmark every variant (at every grid point) and compute the table's rows.
 
     ``previous``: an interrupted record of the same ablation; its finished variants are kept."""
+    from ..engine.plan import plan_run
     from ..report.environment import environment
     from .runner import run_bench
 
@@ -199,7 +200,9 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
     chosen = tricks_of(recipe, tricks)
     ladder_tricks = tricks_of(recipe, ladder) if ladder else None
     variants = plan(recipe, chosen, ladder_tricks)
-    env = {**environment(), **runtime.describe()}
+    # the environment as the recipe itself runs: its runtime planned on its data (each variant's
+    # bench plans its own, which may differ where a variant changes the model)
+    env = {**environment(), **plan_run(recipe, data_dir, device, fit_batch=False).runtime.describe()}
     record = {"recipe": recipe.name, "target": recipe.target, "recipe_hash": recipe.digest(),
               "recipe_config": recipe.to_dict(),
               "runs_per_variant": runs, "epochs_grid": grid, "variants": [], "environment": env}
@@ -226,7 +229,7 @@ def run_ablation(recipe: Recipe, runtime, runs: int, data_dir=None, tricks: list
         for g in grid:
             epochs = v["recipe"].train.epochs * g
             r = with_overrides(v["recipe"], [f"train.epochs={epochs!r}"]) if g != 1.0 else v["recipe"]
-            bench = run_bench(r, runtime, runs, data_dir, progress=progress)
+            bench = run_bench(r, device, runs, data_dir, progress=progress)
             bench.pop("environment", None)
             for run in bench["runs"]:
                 run.pop("history", None)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..data.dataset import open_source
-from ..engine.loop import Session, settle
+from ..engine.loop import Session
+from ..engine.plan import plan_run
 from ..engine.runtime import device_name, pick_device, resolve_runtime
 from ..errors import RecordError, RunFolderError
 from ..files import OutputFolder, atomic_write_bytes, atomic_write_json, check_output_file, read_json_record
@@ -44,16 +44,20 @@ def _out_folder(path: Path | None, kind: str, recipe: str, filename: str) -> Out
     return OutputFolder(folder)
 
 
-def _recipe_and_runtime(args, defaults: list[str]):
+def _recipe_and_device(args, defaults: list[str]):
+    """The recipe with the command's defaults and the user's --set/--seed, and the device; the
+    run itself is planned (data opened, runtime resolved, batch fitted) by plan_run."""
     overrides = defaults + list(args.overrides) + ([f"train.seed={args.seed}"] if args.seed is not None else [])
     recipe = load_recipe(args.recipe, overrides)
-    return recipe, resolve_runtime(recipe.runtime, pick_device(args.device))
+    device = pick_device(args.device)
+    resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before any output
+    return recipe, device
 
 
 # ------------------------------------------------------------------------------------------
 def bench_command(args) -> int:
     # monitoring evaluations are off unless asked for: they only cost wall time
-    recipe, runtime = _recipe_and_runtime(args, ["eval.every=0"])
+    recipe, device = _recipe_and_device(args, ["eval.every=0"])
     folder = _out_folder(args.out, "bench", recipe.name, "bench.json")
     path = folder.path / "bench.json"
     try:
@@ -61,7 +65,7 @@ def bench_command(args) -> int:
             def on_run(i, run):
                 progress.print(f"run {i + 1}/{args.runs} seed {run['seed']}: acc {run['test_acc']:.4f} "
                                f"(no TTA {run['test_acc_no_tta']:.4f}), train+eval {run['times']['train+eval']:.3f} s")
-            record = run_bench(recipe, runtime, args.runs, args.data_dir, out_path=path, progress=progress,
+            record = run_bench(recipe, device, args.runs, args.data_dir, out_path=path, progress=progress,
                                on_run=on_run)
     except BaseException:
         folder.discard()
@@ -120,7 +124,7 @@ def compare_command(args) -> int:
 def ablate_command(args) -> int:
     from ..report.html import ABLATION_COLUMNS, ablation_rows
     from ..report.plots import ablation_chart
-    recipe, runtime = _recipe_and_runtime(args, ["eval.every=0"])
+    recipe, device = _recipe_and_device(args, ["eval.every=0"])
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None
     grid = args.epochs_grid
     previous = None
@@ -138,7 +142,7 @@ def ablate_command(args) -> int:
             def on_variant(row):
                 progress.print(f"{row['label']}: acc {row['test_acc']['mean']:.4f}, "
                                f"train+eval {row['time']['mean']:.3f} s")
-            record = run_ablation(recipe, runtime, args.runs, args.data_dir, split(args.tricks), split(args.ladder),
+            record = run_ablation(recipe, device, args.runs, args.data_dir, split(args.tricks), split(args.ladder),
                                   grid, folder.path / "ablate.json", progress, on_variant, previous)
     except BaseException:
         folder.discard()
@@ -177,11 +181,11 @@ def time_split(session: Session, steps: int = 20, seed: int = 0) -> dict:
 
 
 def flops_command(args) -> int:
-    recipe, runtime = _recipe_and_runtime(args, [])
+    recipe, device = _recipe_and_device(args, [])
     if args.json:
         check_output_file(Path(args.json), "--json", overwrite=True)
-    recipe, ds = open_source(recipe, args.data_dir)
-    recipe = settle(recipe, ds, runtime)
+    plan = plan_run(recipe, args.data_dir, device)
+    recipe, ds, runtime = plan.recipe, plan.source, plan.runtime
     session = Session(recipe, ds, runtime, warm_up=True)
     total = session.run_flops(session.total_steps)
     name = device_name(runtime.device)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 
 from ..data.dataset import open_source
-from ..engine.loop import Session, settle
-from ..engine.runtime import Runtime
+from ..engine.loop import Session
+from ..engine.plan import plan_run
 from ..recipe import Recipe
 from ..report.environment import environment
 from ..files import atomic_write_json
@@ -50,14 +50,14 @@ def summarize(recipe: Recipe, runs: list[dict]) -> dict:
     }
 
 
-def run_bench(recipe: Recipe, runtime: Runtime, runs: int, data_dir=None, seed0: int | None = None,
+def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | None = None,
               out_path=None, progress=None, on_run=None) -> dict:
-    """Run the benchmark; writes ``out_path`` (bench.json) after every run when given."""
+    """Run the benchmark of ``recipe`` on ``device`` (planned as ``speedrun train`` plans a
+    run: :func:`~speedrun.engine.plan.plan_run`); writes ``out_path`` (bench.json) after every
+    run when given."""
     seed0 = recipe.train.seed if seed0 is None else seed0
-    t_load = time.perf_counter()
-    recipe, dataset = open_source(recipe, data_dir)
-    load_seconds = time.perf_counter() - t_load
-    recipe = settle(recipe, dataset, runtime)
+    plan = plan_run(recipe, data_dir, device)
+    recipe, dataset, runtime, load_seconds = plan.recipe, plan.source, plan.runtime, plan.open_seconds
     session = Session(recipe, dataset, runtime, warm_up=True)
     record = {
         "recipe": recipe.name,
