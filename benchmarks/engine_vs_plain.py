@@ -52,7 +52,7 @@ def speedrun_engine(recipe, data_dir: str, precision: str):
     data = open_pipeline(session.source, recipe, runtime, seed, session.shard)
     session.model.whiten.fit(data.whitening_sample(recipe.model.whiten.samples))
     session.step.reset(seed)
-    st = session._train_state(data, seed)
+    st = session._run_state(data, seed)
     session.model.train()
 
     def batches():

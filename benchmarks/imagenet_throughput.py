@@ -140,7 +140,7 @@ def pipeline_fed(session, recipe, source, seed: int = 0):
     import torch
     from speedrun.data.augment import BatchAugment
     from speedrun.data.dataset import open_pipeline, place_source
-    from speedrun.engine.loop import epoch_size
+    from speedrun.engine.loop import epoch_image_side
     from speedrun.engine.step import resized_in_step
     rt = session.runtime
     session.reset(seed)
@@ -158,7 +158,7 @@ def pipeline_fed(session, recipe, source, seed: int = 0):
 
     def batches():
         while True:
-            size = epoch_size(recipe, min(epochs[0], session.n_epochs - 1), data.image_size[0])
+            size = epoch_image_side(recipe, min(epochs[0], session.n_epochs - 1), data.image_size[0])
             for x, y in data.epoch(epochs[0], recipe.data.batch_size, augment, gen, size=None if in_step else size):
                 yield x, y, size if in_step else None
             epochs[0] += 1

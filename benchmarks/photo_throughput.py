@@ -137,7 +137,7 @@ def model_step_child(args) -> int:
     t0 = time.perf_counter()
     session = Session(recipe, source, runtime, warm_up=True)
     build = time.perf_counter() - t0
-    sizes = Counter(h for h, _ in session.step_sizes(recipe, session.total_steps, session.steps_per_epoch))
+    sizes = Counter(h for h, _ in session.step_image_shapes(recipe, session.total_steps, session.steps_per_epoch))
     full = source.image_size[0]
     in_step = resized_in_step(recipe)
     per_size = []

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speedrun.engine.loop import epoch_size
+from speedrun.engine.loop import epoch_image_side
 from speedrun.engine.step import TrainStep, distillation_loss
 from speedrun.optim.schedule import lr_multipliers
 from speedrun.recipe import CosineSchedule, PolySchedule, StepSchedule, load_recipe
@@ -144,10 +144,10 @@ def test_linear_scaling_rule_from_the_reference_batch():
 # --------------------------------------------------------------------- progressive resizing
 def test_progressive_resizing_sizes_and_batches(data_dir, tmp_path):
     r = load_recipe("fashion-mnist", ["data.progressive=[[0.0, 0.5], [0.5, 1.0]]", "train.epochs=2"])
-    assert [epoch_size(r, e, 28) for e in (0, 1)] == [16, 28]
+    assert [epoch_image_side(r, e, 28) for e in (0, 1)] == [16, 28]
     r3 = load_recipe("cifar10-94", ["data.progressive=[[0.0, 0.75], [0.4, 0.875], [0.7, 1.0]]", "train.epochs=10"])
-    assert [epoch_size(r3, e, 32) for e in range(10)] == [24] * 4 + [28] * 3 + [32] * 3   # 4 px steps under 64 px
-    assert [epoch_size(r3, e, 224) for e in (0, 4, 9)] == [168, 192, 224]                # 8 px steps above
+    assert [epoch_image_side(r3, e, 32) for e in range(10)] == [24] * 4 + [28] * 3 + [32] * 3   # 4 px steps under 64 px
+    assert [epoch_image_side(r3, e, 224) for e in (0, 4, 9)] == [168, 192, 224]                # 8 px steps above
     from speedrun.data import load_dataset
     from speedrun.engine.loop import Session
     from speedrun.engine.runtime import Runtime

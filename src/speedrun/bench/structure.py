@@ -115,7 +115,7 @@ def real_batches(session, seed: int = 0):
     augmentation; the caller drives ``session.step`` with them."""
     from ..data.augment import BatchAugment
     from ..data.dataset import open_pipeline
-    from ..engine.loop import epoch_size
+    from ..engine.loop import epoch_image_side
     rt, recipe = session.runtime, session.recipe
     session.reset(seed)
     data = open_pipeline(session.source, recipe, rt, seed, session.shard)
@@ -132,7 +132,7 @@ def real_batches(session, seed: int = 0):
     def epochs():                 # (the set-up above runs now, not inside the first batch's count)
         epoch = 0
         while True:
-            size = epoch_size(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
+            size = epoch_image_side(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
             yield from data.epoch(epoch, recipe.data.batch_size, augment, gen, size=size)
             epoch += 1
     return epochs()

@@ -75,7 +75,7 @@ def load(path: str | Path) -> dict:
 def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock) -> Path:
     """Checkpoint a run in the middle of epoch ``st.epoch``, after ``batch_in_epoch`` of its
     batches (``step``: the :class:`~speedrun.engine.step.TrainStep`, ``st``: the loop's
-    TrainState, ``clock``: its Clock)."""
+    RunState, ``clock``: its Clock)."""
     return save(folder, {
         "recipe": recipe.to_dict(), "recipe_hash": recipe.digest(), "seed": seed,
         "step": st.step, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
@@ -89,7 +89,7 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
 
 
 def restore_run(state: dict, recipe, model, step, st) -> tuple[float, dict]:
-    """Put a checkpoint back into the model, the training step and the loop's TrainState;
+    """Put a checkpoint back into the model, the training step and the loop's RunState;
     returns the clock's (elapsed, paused) to continue from."""
     if state["recipe_hash"] != recipe.digest():
         raise RecipeError("the checkpoint was written by a different recipe; resume with the run's own "

@@ -119,7 +119,7 @@ class Clock:
 
 
 @dataclass
-class TrainState:
+class RunState:
     """What a run changes as it trains besides the model and the step's own state (see
     :class:`~speedrun.engine.step.TrainStep`); with that, what a checkpoint saves."""
     gen: torch.Generator
@@ -171,10 +171,10 @@ def local_batch(recipe: Recipe, world: World) -> int:
     return b // world.size
 
 
-def epoch_size(recipe: Recipe, epoch: int, full: int) -> int:
-    """Training image size for ``epoch`` under progressive resizing (full size without it):
-    a multiple of 8 px, or of 4 px for images under 64 px, where steps of 8 are too coarse
-    (a 32 px image trains at 24 and 28 px, as in the 2026 CIFAR-10 record)."""
+def epoch_image_side(recipe: Recipe, epoch: int, full: int) -> int:
+    """Training image side in px for ``epoch`` under progressive resizing (``full``, the full
+    side, without it): a multiple of 8 px, or of 4 px for images under 64 px, where steps of 8
+    are too coarse (a 32 px image trains at 24 and 28 px, as in the 2026 CIFAR-10 record)."""
     if not recipe.data.progressive:
         return full
     frac = epoch / recipe.train.epochs
@@ -273,12 +273,12 @@ class Session:
             model.zero_grad(set_to_none=True)
         return model, forward
 
-    def step_sizes(self, recipe: Recipe, total: int, spe: int) -> list[tuple[int, int]]:
+    def step_image_shapes(self, recipe: Recipe, total: int, spe: int) -> list[tuple[int, int]]:
         """The (height, width) of the training batches at each step (progressive resizing)."""
         full = self.source.image_size
         sizes = []
         for e in range(math.ceil(total / spe)):
-            s = epoch_size(recipe, e, full[0])
+            s = epoch_image_side(recipe, e, full[0])
             sizes += [full if s == full[0] else (s, s)] * spe
         return sizes[:total]
 
@@ -286,7 +286,7 @@ class Session:
         """FLOPs of a run of ``steps`` training steps (each at its own size) and the final
         evaluation: :func:`speedrun.engine.flops.run_flops` for this session."""
         src = self.source
-        sizes = self.step_sizes(self.recipe, steps, self.steps_per_epoch)
+        sizes = self.step_image_shapes(self.recipe, steps, self.steps_per_epoch)
         frozen_from = self.step.whiten_steps if self.step.freezable else None
         return flops.run_flops(self.recipe, src.in_channels, src.num_classes, src.image_size, sizes, len(src.test_y),
                                eval_size=src.eval_size, frozen_from=frozen_from)
@@ -294,8 +294,9 @@ class Session:
     def _train_step(self, recipe: Recipe) -> TrainStep:
         total = total_steps(recipe, len(self.source.train_y))
         spe = steps_per_epoch(len(self.source.train_y), recipe.data.batch_size)
-        return TrainStep(recipe, self.runtime, self.model, self.module, total, spe, self.step_sizes(recipe, total, spe),
-                         self.teacher, no_sync=lambda: distributed.no_sync(self.module))
+        return TrainStep(recipe, self.runtime, self.model, self.module, total, spe,
+                         self.step_image_shapes(recipe, total, spe), self.teacher,
+                         no_sync=lambda: distributed.no_sync(self.module))
 
     def _probe(self, recipe: Recipe) -> None:
         """One training step of ``recipe`` on random data (the batch finder's test of fit)."""
@@ -322,15 +323,15 @@ class Session:
 
     def image_sizes(self) -> list[int]:
         full = self.source.image_size[0]
-        return sorted({epoch_size(self.recipe, e, full) for e in range(self.n_epochs)})
+        return sorted({epoch_image_side(self.recipe, e, full) for e in range(self.n_epochs)})
 
-    def _train_state(self, data, seed: int) -> TrainState:
+    def _run_state(self, data, seed: int) -> RunState:
         gen = torch.Generator(device=self.runtime.device)
         gen.manual_seed(seed)
-        return TrainState(gen=gen, augment=BatchAugment(self.recipe.augment, data.n_train, data.image_size, gen,
-                                                        self.runtime.device, data.mean, data.std,
-                                                        resized_crop=not data.crops_in_workers,
-                                                        input_size=getattr(data, "stored_size", None)))
+        return RunState(gen=gen, augment=BatchAugment(self.recipe.augment, data.n_train, data.image_size, gen,
+                                                      self.runtime.device, data.mean, data.std,
+                                                      resized_crop=not data.crops_in_workers,
+                                                      input_size=getattr(data, "stored_size", None)))
 
     # ------------------------------------------------------------------------------------
     # Training
@@ -358,7 +359,7 @@ class Session:
         if whiten is not None and resume is None:
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
         self.step.reset(seed)                           # (the average starts from the fitted whitening)
-        st = self._train_state(data, seed)
+        st = self._run_state(data, seed)
         self.step.pruner = self._pruner(data)
         if resume is not None:
             clock = Clock(rt, *ckpt.restore_run(resume, self.recipe, model, self.step, st))
@@ -441,7 +442,7 @@ class Session:
         counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
         return distributed.all_reduce_sum(counts, self.world)
 
-    def _train_epoch(self, data, st: TrainState, progress, clock: Clock, seed: int, checkpoint_dir) -> int:
+    def _train_epoch(self, data, st: RunState, progress, clock: Clock, seed: int, checkpoint_dir) -> int:
         """One epoch of training steps (their losses and correct counts land in the step's
         metrics table, on the device); returns the step number the epoch started at."""
         r, rt, spe = self.recipe, self.runtime, self.steps_per_epoch
@@ -451,7 +452,7 @@ class Session:
             st.epoch_gen_state = st.gen.get_state()
         st.skip = 0
         first = st.step - skip
-        size = epoch_size(r, st.epoch, data.image_size[0])
+        size = epoch_image_side(r, st.epoch, data.image_size[0])
         in_step = resized_in_step(r)                  # the step shrinks the full-size batch itself
         batches = data.epoch(st.epoch, r.data.batch_size, st.augment, st.gen, size=None if in_step else size,
                              skip=skip)
@@ -467,7 +468,7 @@ class Session:
                     ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, i + 1, clock)
         return first
 
-    def _check_epoch(self, st: TrainState, first: int, last_good: LastGood, lr: float) -> tuple[EpochRecord, list[float]]:
+    def _check_epoch(self, st: RunState, first: int, last_good: LastGood, lr: float) -> tuple[EpochRecord, list[float]]:
         """Read the epoch's metrics back (the record and the per-step losses, averaged over
         ranks); stop on a non-finite loss or a collapsed loss scale (see :func:`first_bad_step`)."""
         w = self.world

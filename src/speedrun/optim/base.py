@@ -87,10 +87,12 @@ class Optimizer:
         grads = [p.grad for p in params]
         if grad_scale is not None:
             grads = torch._foreach_mul(grads, grad_scale)
-        self._update(group, params, grads, state, lr, momentum)
+        self._update_group(group, params, grads, state, lr, momentum)
 
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
-                momentum: Number | None) -> None:
+    def _update_group(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
+                      momentum: Number | None) -> None:
+        """The optimizer's rule, applied to one group's parameters that have gradients (``params``,
+        their ``grads`` and ``state``, already cut to those) at ``lr`` and ``momentum``."""
         raise NotImplementedError
 
     # -- state -------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class SGD(Optimizer):
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
 
-    def _update(self, group, params, grads, state, lr, momentum):
+    def _update_group(self, group, params, grads, state, lr, momentum):
         bufs = state["momentum_buffer"]
         wd = group["weight_decay"]
         d = torch._foreach_add(grads, params, alpha=wd) if wd else grads

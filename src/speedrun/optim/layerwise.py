@@ -44,8 +44,8 @@ class LARS(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       trust_coefficient=trust_coefficient, adapt=adapt))
 
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
-                momentum: Number) -> None:
+    def _update_group(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
+                      momentum: Number) -> None:
         bufs = state["momentum_buffer"]
         wd = group["weight_decay"]
         d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
@@ -75,8 +75,8 @@ class LAMB(Optimizer):
     def scheduled_momentum(self, group: dict) -> bool:
         return False                                  # LAMB's betas stay fixed
 
-    def _update(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
-                momentum) -> None:
+    def _update_group(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
+                      momentum) -> None:
         beta1, beta2 = group["betas"]
         m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
         step.add_(1)

@@ -83,7 +83,7 @@ class OrthogonalFilters(Optimizer):
     def scheduled_momentum(self, group: dict) -> bool:
         return False                                  # the filters keep their own momentum
 
-    def _update(self, group, params, grads, state, lr, momentum) -> None:
+    def _update_group(self, group, params, grads, state, lr, momentum) -> None:
         count = state["steps_taken"]
         count.add_(1)
         bufs = state["momentum_buffer"]
