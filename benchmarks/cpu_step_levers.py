@@ -36,14 +36,14 @@ def batches_at_each_size(session, seed=0):
     """One real batch per training image size of the run (its first batch at that size)."""
     out, batches = {}, real_batches(session, seed)
     for _ in range(session.total_steps):
-        x, y = next(batches)
-        out.setdefault(x.shape[-1], (x, y))
+        x, y, size = next(batches)
+        out.setdefault(size or x.shape[-1], (x, y, size))
         if len(out) == len(set(session.image_sizes())):
             break
     return out
 
 
-def alternate(session, x, y, a, b, steps: int) -> dict:
+def alternate(session, x, y, size, a, b, steps: int) -> dict:
     """Steps alternating between setting ``a`` and ``b`` (callables that put it in place), the
     first round of each untimed; seconds per step of each."""
     times = {"a": [], "b": []}
@@ -51,7 +51,7 @@ def alternate(session, x, y, a, b, steps: int) -> dict:
         which = "a" if i % 2 == 0 else "b"
         (a if which == "a" else b)()
         session.step.host_step = 10 ** 6            # past the whitening bias's epochs
-        t = timed_step(session, x, y)
+        t = timed_step(session, x, y, size)
         if i >= 2:
             times[which].append(t)
     return {k: {"seconds": v, "median": statistics.median(v)} for k, v in times.items()}
@@ -106,19 +106,19 @@ def main() -> int:
 
     rows = []
     wg.set_mode("auto")
-    for size, (x, y) in sorted(batches_at_each_size(session).items()):
+    for side, (x, y, size) in sorted(batches_at_each_size(session).items()):
         wgrad("auto")()                             # (keeps the shapes measured at earlier sizes)
-        timed_step(session, x, y)                   # the shapes at this size measured
+        timed_step(session, x, y, size)             # the shapes at this size measured
         for lever, a, b, labels in [("whiten", whiten(True), whiten(False), ("dropped", "lr0")),
                                     ("norm", norm(False), norm(True), ("bf16", "fp32")),
                                     ("wgrad", wgrad("auto"), wgrad("torch"), ("auto", "torch"))]:
-            r = alternate(session, x, y, a, b, args.steps)
+            r = alternate(session, x, y, size, a, b, args.steps)
             norm(original_norm)()
             wgrad("auto")()
             whiten(True)()
-            rows.append({"size": size, "lever": lever, labels[0]: r["a"], labels[1]: r["b"],
+            rows.append({"size": side, "lever": lever, labels[0]: r["a"], labels[1]: r["b"],
                          "ratio": r["a"]["median"] / r["b"]["median"]})
-            print(f"{size} px {lever}: {labels[0]} {r['a']['median']:.3f} s, {labels[1]} {r['b']['median']:.3f} s "
+            print(f"{side} px {lever}: {labels[0]} {r['a']['median']:.3f} s, {labels[1]} {r['b']['median']:.3f} s "
                   f"({rows[-1]['ratio']:.3f})", flush=True)
     choices = wg.choices()
 

@@ -121,8 +121,8 @@ def profile_steps(session, device: torch.device, steps: int = 10) -> dict:
     from speedrun.bench.structure import real_batches
     cuda = device.type == "cuda"
     batches = real_batches(session, seed=1)
-    x, y = next(batches)
-    session.step(x, y)                                # one step outside the window
+    x, y, size = next(batches)
+    session.step(x, y, size)                              # one step outside the window
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -131,9 +131,9 @@ def profile_steps(session, device: torch.device, steps: int = 10) -> dict:
             sync()
             t0 = time.perf_counter()
             for _ in range(steps):
-                x, y = next(batches)
+                x, y, size = next(batches)
                 session.runtime.mark_step()
-                session.step(x, y)
+                session.step(x, y, size)
             sync()
             wall = time.perf_counter() - t0
     out = {"steps": steps, "wall_ms_per_step": wall / steps * 1000}

@@ -420,3 +420,26 @@ def test_a_cuda_runtime_turns_on_cudnn_autotuning_and_dynamo_limits():
         assert not Runtime(CPU, "fp32", True, True, "reduce-overhead").cuda_graphs      # no CUDA graphs on a CPU
     finally:
         torch.backends.cudnn.benchmark, dynamo.config.recompile_limit, dynamo.config.fail_on_recompile_limit_hit = saved
+
+
+def test_benchmarks_drive_the_step_as_the_run_does_when_it_shrinks_batches_itself(small):
+    """The batches the step-structure probe, flops' time split and the GPU benchmarks take
+    (bench.structure.real_batches) come as the run's do: full size, with the side the step
+    shrinks them to; timed_step passes it on, so the model sees each progressive size."""
+    from speedrun.bench.structure import real_batches, timed_step
+    recipe = _recipe("augment.translate=2", "augment.low_res=bilinear_in_step", "train.epochs=2",
+                     "data.progressive=[[0.0, 0.75], [0.5, 1.0]]")
+    session = Session(recipe, small, _runtime())
+    seen_by_model = set()
+    session.model.register_forward_pre_hook(lambda m, args: seen_by_model.add(args[0].shape[-1]))
+    batches = real_batches(session)
+    got = set()
+    for _ in range(session.total_steps):
+        x, y, size = next(batches)
+        got.add((x.shape[-1], size))
+        assert timed_step(session, x, y, size) > 0
+    assert got == {(28, 20), (28, 28)}
+    assert seen_by_model == {20, 28}
+    plain = Session(_recipe("train.epochs=1"), small, _runtime())
+    x, y, size = next(real_batches(plain))
+    assert size is None and x.shape[-1] == 28

@@ -165,13 +165,13 @@ def time_split(session: Session, steps: int = 20, seed: int = 0) -> dict:
     (model), with a device sync between the two, on a throw-away run of ``session``."""
     rt = session.runtime
     batches = real_batches(session, seed)
-    x, y = next(batches)                  # untimed: the run's set-up (reset, pipeline, whitening fit) is in here
+    x, y, size = next(batches)            # untimed: the run's set-up (reset, pipeline, whitening fit) is in here
     data_s = model_s = 0.0
     for _ in range(steps):
-        model_s += timed_step(session, x, y)
+        model_s += timed_step(session, x, y, size)
         rt.synchronize()
         t0 = time.perf_counter()
-        x, y = next(batches)
+        x, y, size = next(batches)
         rt.synchronize()
         data_s += time.perf_counter() - t0
     session.reset(seed)

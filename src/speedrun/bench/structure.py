@@ -112,10 +112,14 @@ def _dynamo_counts() -> tuple[int, int]:
 def real_batches(session, seed: int = 0):
     """Batches of a fresh run of ``session`` (model and step reset from ``seed``, whitening
     fitted, both before this returns), epoch after epoch, from the run's own pipeline and
-    augmentation; the caller drives ``session.step`` with them."""
+    augmentation, as ``(x, y, size)``: ``size`` is the side the step shrinks the batch to where
+    progressive resizing happens inside the step (``augment.low_res = "bilinear_in_step"``; the
+    batch then comes at full size), else None. The caller drives the step as the run does:
+    ``session.step(x, y, size)``."""
     from ..data.augment import BatchAugment
     from ..data.dataset import open_pipeline
     from ..engine.loop import epoch_image_side
+    from ..engine.step import resized_in_step
     rt, recipe = session.runtime, session.recipe
     session.reset(seed)
     data = open_pipeline(session.source, recipe, rt, seed, session.shard)
@@ -128,23 +132,26 @@ def real_batches(session, seed: int = 0):
     augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
                            resized_crop=not data.crops_in_workers)
     session.model.train()
+    in_step = resized_in_step(recipe)
 
     def epochs():                 # (the set-up above runs now, not inside the first batch's count)
         epoch = 0
         while True:
             size = epoch_image_side(recipe, min(epoch, session.n_epochs - 1), data.image_size[0])
-            yield from data.epoch(epoch, recipe.data.batch_size, augment, gen, size=size)
+            for x, y in data.epoch(epoch, recipe.data.batch_size, augment, gen, size=None if in_step else size):
+                yield x, y, size if in_step else None
             epoch += 1
     return epochs()
 
 
-def timed_step(session, x, y) -> float:
-    """Seconds of one training step on (x, y), with the device synchronised before and after."""
+def timed_step(session, x, y, size=None) -> float:
+    """Seconds of one training step on (x, y) (shrunk to ``size`` inside the step where the
+    run does that), with the device synchronised before and after."""
     rt = session.runtime
     rt.synchronize()
     t = time.perf_counter()
     rt.mark_step()
-    session.step(x, y)
+    session.step(x, y, size)
     rt.synchronize()
     return time.perf_counter() - t
 
@@ -172,9 +179,9 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
     for _ in range(n):
         box = []
         pipeline.append(profiled(lambda: box.append(next(batches))))
-        x, y = box[0]
+        x, y, size = box[0]
         rt.mark_step()
-        per_step.append(profiled(session.step, x, y))
+        per_step.append(profiled(session.step, x, y, size))
     ms = [timed_step(session, *next(batches)) * 1e3 for _ in range(timed_steps)]
     breaks_after, graphs_after = _dynamo_counts()
     worst = max(per_step, key=lambda c: (c["eager_ops"], c["host_syncs"], c["compiled_regions"]))
