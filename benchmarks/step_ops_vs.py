@@ -55,9 +55,9 @@ def main() -> int:
         old.Objective.step = counted(old.Objective.step)
         split = session.time_split
     else:
-        from speedrun.bench import commands
-        commands.timed_step = counted(commands.timed_step)
-        split = lambda n: commands.time_split(session, n)  # noqa: E731
+        from speedrun.bench import flops_command
+        flops_command.timed_step = counted(flops_command.timed_step)
+        split = lambda n: flops_command.time_split(session, n)  # noqa: E731
     split(3)
     on[0] = True
     steps = 10

@@ -312,6 +312,21 @@ def _bench() -> ModuleType:
     return commands
 
 
+def _compare() -> ModuleType:
+    from .bench import compare_command
+    return compare_command
+
+
+def _ablate() -> ModuleType:
+    from .bench import ablate_command
+    return ablate_command
+
+
+def _flops() -> ModuleType:
+    from .bench import flops_command
+    return flops_command
+
+
 def _scale() -> ModuleType:
     from .bench import scale_command
     return scale_command
@@ -332,14 +347,19 @@ def _export() -> ModuleType:
     return export
 
 
+def _report() -> ModuleType:
+    from .report import command
+    return command
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("train one recipe once and write a run record", lambda: _train().train_command),
     "recipes": Command("list the shipped recipes", lambda: _train().recipes_command),
     "bench": Command("N seeded runs in one process, with statistics (bench.json)", lambda: _bench().bench_command),
-    "compare": Command("compare two bench records with Welch t-tests", lambda: _bench().compare_command),
-    "ablate": Command("benchmark the recipe with each trick turned off in turn", lambda: _bench().ablate_command),
+    "compare": Command("compare two bench records with Welch t-tests", lambda: _compare().compare_command),
+    "ablate": Command("benchmark the recipe with each trick turned off in turn", lambda: _ablate().ablate_command),
     "flops": Command("FLOPs per image and per run, peak, ideal time, data vs model time",
-                     lambda: _bench().flops_command),
+                     lambda: _flops().flops_command),
     "scale": Command("predict step time, throughput and scaling efficiency on 1 to 4,096 GPUs from one GPU's "
                      "speed, the gradient size and the network (a model)", lambda: _scale().scale_command),
     "predict": Command("classify image files with a finished run's model (probabilities, top-k)",
@@ -350,7 +370,7 @@ COMMANDS: dict[str, Command] = {
     "export": Command("a finished run's model as ONNX, TorchScript or safetensors, with its preprocessing in the "
                       "file, checked against PyTorch on the run's test images", lambda: _export().export_command),
     "report": Command("an HTML (and Markdown) report of a run, bench or ablate folder",
-                      lambda: _bench().report_command),
+                      lambda: _report().report_command),
     "data": Command("prepare an image folder as arrays, or export a built-in set as a folder", lambda: data_command),
 }
 """Every command, in the order ``speedrun --help`` lists them: the parser's commands and
