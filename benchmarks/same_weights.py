@@ -47,7 +47,7 @@ def train(tree: Path, recipe: str, sets: list[str], extra: list[str], data_dir: 
     summary = json.loads((out / "summary.json").read_text())
     return {"process_wall_seconds": time.perf_counter() - t0, "test_acc": summary["test_acc"],
             "test_acc_no_tta": summary.get("test_acc_no_tta"), "train_seconds": summary["train_seconds"],
-            "steps": summary.get("steps"), "git_commit": summary.get("environment", {}).get("git_commit"),
+            "steps": summary.get("steps"), "git_commit": summary.get("git_commit"), "git_dirty": summary.get("git_dirty"),
             "command": " ".join(cmd[1:])}
 
 

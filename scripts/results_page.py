@@ -945,6 +945,18 @@ def resnet50_rows(rec: Record, d: dict):
                           num(d.get("compile_seconds"))])]
 
 
+def same_weights_rows(rec: Record, d: dict):
+    rows = []
+    for st in d["settings"]:
+        a, b = st["runs"]["base"], st["runs"]["this"]
+        verdict = "weights identical to the bit" if st.get("identical") else "weights DIFFER"
+        label = (f"tree {d.get('base_commit')} → this tree, `{d.get('recipe')}` {st.get('setting')} "
+                 f"({', '.join(st.get('sets') or []) or 'as shipped'}; {' '.join(d.get('extra') or [])}): {verdict}")
+        rows += ab(rec, label, [("accuracy", a.get("test_acc"), b.get("test_acc"), pct),
+                                ("steps", a.get("steps"), b.get("steps"), count)])
+    return rows
+
+
 def has(d, *keys) -> bool:
     return all(k in d for k in keys)
 
@@ -981,6 +993,7 @@ def reader_for(d):
         (has(d, "runs", "model_step", "photos") and "photo_throughput" in str(d.get("script", "")),
          photo_throughput_rows),
         (has(d, "model_step", "pipelines", "scale_input"), resnet50_rows),
+        (has(d, "settings", "base_commit") and "same_weights" in str(d.get("script", "")), same_weights_rows),
         (isinstance(runs, list) and bool(runs) and isinstance(runs[0], dict) and "workers_started_by" in runs[0]
          and "summary" in d, fork_server_rows),
         (isinstance(runs, list) and bool(runs) and isinstance(runs[0], dict) and "summary" in runs[0]

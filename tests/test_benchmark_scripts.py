@@ -364,3 +364,32 @@ def test_throughput_scripts_never_overwrite_a_record(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--device", "cpu", "--out", str(out)],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and "already exists" in proc.stderr and out.read_text() == "{}", proc.stderr
+
+
+# same_weights.py: training from two trees, weights compared bit for bit
+def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fashion_small):
+    import shutil
+    same, changed = tmp_path / "same", tmp_path / "changed"
+    shutil.copytree(ROOT / "src", same / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(same, changed)
+    recipe = changed / "src" / "speedrun" / "recipes" / "fashion-mnist.toml"      # a real change of the training
+    text = recipe.read_text()
+    assert "label_smoothing = 0.2" in text
+    recipe.write_text(text.replace("label_smoothing = 0.2", "label_smoothing = 0.05"))
+    tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=3", "--set", "data.batch_size=128",
+            "--set", "runtime.compile=off",
+            "--set", "eval.tta=none"]
+    out = tmp_path / "same.json"
+    script("same_weights.py", same, "abc1234", "fashion-mnist", "--data-dir", fashion_small,
+           "--setting", "eager:runtime.compile=off", "--out", out, *tiny)
+    record = json.loads(out.read_text())
+    s = record["settings"][0]
+    assert s["identical"] and s["same_test_acc"] and not s["differing_tensors"]
+    assert s["runs"]["base"]["test_acc"] > 0.3 and record["base_commit"] == "abc1234"
+    out2 = tmp_path / "changed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "same_weights.py"), str(changed), "def5678",
+                           "fashion-mnist", "--data-dir", str(fashion_small), "--out", str(out2), *tiny],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    s2 = json.loads(out2.read_text())["settings"][0]
+    assert not s2["identical"] and s2["differing_tensors"]
