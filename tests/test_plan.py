@@ -45,10 +45,14 @@ def _calls(path: Path) -> set[str]:
 
 
 def test_every_command_and_benchmark_that_trains_plans_with_plan_run():
-    """train, bench, ablate and flops, and the benchmark scripts that build a Session from a
-    recipe, take the recipe, the data and the runtime from plan_run, never opening the data
-    and resolving the runtime in their own order."""
-    users = [SRC / "train.py", SRC / "bench" / "runner.py", SRC / "bench" / "commands.py", SRC / "bench" / "ablate.py",
+    """train, bench (its runner), ablate and flops, and the benchmark scripts that build a
+    Session from a recipe, take the recipe, the data and the runtime from plan_run, never
+    opening the data and resolving the runtime in their own order; the command modules that
+    only hand a recipe on (bench/commands.py, bench/ablate_command.py) build no Session."""
+    for path in (SRC / "bench" / "commands.py", SRC / "bench" / "ablate_command.py"):
+        assert not {"Session", "open_source", "settle"} & _calls(path), f"{path.name} builds a run itself"
+    users = [SRC / "train.py", SRC / "bench" / "runner.py", SRC / "bench" / "flops_command.py",
+             SRC / "bench" / "ablate.py",
              *(BENCH / f"{name}.py" for name in ("gpu_record", "imagenet_throughput", "photo_throughput",
                                                  "photo_input", "engine_vs_plain", "cpu_step_levers", "gpu_smoke"))]
     for path in users:
