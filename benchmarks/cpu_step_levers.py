@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from speedrun.bench.structure import real_batches, timed_step
 from speedrun.engine.loop import Session
 from speedrun.engine.plan import plan_run
 from speedrun.files import atomic_write_json
 from speedrun.models import weight_grad as wg
 from speedrun.models.norm import BatchNorm
+from speedrun.profiling.step_structure import real_batches, timed_step
 from speedrun.recipe import load_recipe
 from speedrun.report.environment import environment
 
@@ -38,7 +38,7 @@ def batches_at_each_size(session, seed=0):
     for _ in range(session.total_steps):
         x, y, size = next(batches)
         out.setdefault(size or x.shape[-1], (x, y, size))
-        if len(out) == len(set(session.image_sizes())):
+        if len(out) == len(session.image_sides):
             break
     return out
 
@@ -50,7 +50,7 @@ def alternate(session, x, y, size, a, b, steps: int) -> dict:
     for i in range(2 * (steps + 1)):
         which = "a" if i % 2 == 0 else "b"
         (a if which == "a" else b)()
-        session.step.host_step = 10 ** 6            # past the whitening bias's epochs
+        session.step.steps_done = 10 ** 6            # past the whitening bias's epochs
         t = timed_step(session, x, y, size)
         if i >= 2:
             times[which].append(t)

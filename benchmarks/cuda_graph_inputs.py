@@ -2,7 +2,7 @@
 
 For each recipe row, the run is built as on CUDA (``cuda_graphs`` on: the step marks every
 parameter, optimizer and averaging tensor as a static address) and compiled through
-AOTAutograd without code generation (``speedrun.bench.structure.cuda_graph_inputs``). Per
+AOTAutograd without code generation (``speedrun.profiling.step_structure.cuda_graph_inputs``). Per
 graph: inputs, static inputs, mutated inputs, mutated inputs that are not static (inductor
 skips CUDA graphs for a graph with any), and inputs sharing a storage. The rows are
 tests/matrix.py's CUDA_GRAPH_ROWS, which tests/test_step_structure.py checks too. Narrow nets on a
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from matrix import CUDA_GRAPH_ROWS  # noqa: E402
-from speedrun.bench.structure import cuda_graph_inputs  # noqa: E402
-from speedrun.data.builtin import load_dataset  # noqa: E402
+from speedrun.data.sources.builtin import load_dataset  # noqa: E402
 from speedrun.files import atomic_write_json  # noqa: E402
+from speedrun.profiling.step_structure import cuda_graph_inputs  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
 from speedrun.report.environment import environment  # noqa: E402
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_algorithm import Algorithm, autocast_for, load_cifar10, make_lookahead, make_optimizer  # noqa: E402
 from peers import first_touch, peer_model  # noqa: E402
-from speedrun.data.dataset import open_pipeline  # noqa: E402
+from speedrun.data.pipeline.dataset import open_pipeline  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.plan import plan_run  # noqa: E402
 from speedrun.files import atomic_write_json  # noqa: E402
@@ -65,7 +65,7 @@ def speedrun_engine(recipe, data_dir: str, precision: str):
     def run(n: int) -> None:
         for _ in range(n):
             x, y = next(it)
-            if session.step.host_step == session.step.total:
+            if session.step.steps_done == session.step.total:
                 session.step.rewind()
             session.step(x, y)
     return run

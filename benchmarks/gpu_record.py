@@ -627,7 +627,7 @@ def child_variant(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from speedrun.data.dataset import open_source
+    from speedrun.data.pipeline.dataset import open_source
     from speedrun.engine.loop import Session
     from speedrun.engine.plan import plan_run
     from speedrun.engine.runtime import pick_device
@@ -648,7 +648,7 @@ def child_variant(args) -> int:
         seed = seed0 + i
         rt.synchronize()
         session.reset(seed)
-        session.dataset = open_source(recipe, args.npz)[1]
+        session.source = open_source(recipe, args.npz)[1]
         r = session.run(seed)
         out["runs"].append({"seed": seed, "seconds": r.train_seconds, "final_eval_seconds": r.final_eval_seconds,
                             "test_acc": r.test_acc, "test_acc_no_tta": r.test_acc_no_tta, "steps": r.steps,
@@ -658,7 +658,7 @@ def child_variant(args) -> int:
     if args.profile:
         seed = seed0 + args.runs
         session.reset(seed)
-        session.dataset = open_source(recipe, args.npz)[1]
+        session.source = open_source(recipe, args.npz)[1]
         cuda = rt.device.type == "cuda"
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         rt.synchronize()

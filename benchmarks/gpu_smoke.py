@@ -118,7 +118,7 @@ def profile_steps(session, device: torch.device, steps: int = 10) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from speedrun.bench.structure import real_batches
+    from speedrun.profiling.step_structure import real_batches
     cuda = device.type == "cuda"
     batches = real_batches(session, seed=1)
     x, y, size = next(batches)

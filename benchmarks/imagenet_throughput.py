@@ -138,10 +138,9 @@ def pipeline_fed(session, recipe, source, seed: int = 0):
     device where it is held there, the pipeline of its kind, the run's BatchAugment), epoch
     after epoch; each call takes the next batch and trains the session's step on it."""
     import torch
-    from speedrun.data.augment import BatchAugment
-    from speedrun.data.dataset import open_pipeline, place_source
-    from speedrun.engine.loop import epoch_image_side
-    from speedrun.engine.step import resized_in_step
+    from speedrun.data.augment.batch import BatchAugment
+    from speedrun.data.pipeline.dataset import open_pipeline, place_source
+    from speedrun.engine.sizes import epoch_image_side, resized_in_step
     rt = session.runtime
     session.reset(seed)
     data = open_pipeline(place_source(source, rt), recipe, rt, seed, session.shard)
@@ -201,9 +200,9 @@ def run(args, commit, commit_source) -> int:
         if args.out:
             check_output_file(args.out, "--out")
         import torch
-        from speedrun.data.dataset import open_source
-        from speedrun.data.device_decode import torchvision_io
-        from speedrun.data.stream import default_workers
+        from speedrun.data.pipeline.dataset import open_source
+        from speedrun.data.sources.device_decode import torchvision_io
+        from speedrun.data.pipeline.stream import default_workers
         from speedrun.engine.loop import Session
         from speedrun.engine.plan import plan_run
         from speedrun.engine.runtime import pick_device

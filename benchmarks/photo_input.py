@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from speedrun.data.augment import BatchAugment
-from speedrun.data.dataset import open_pipeline
+from speedrun.data.augment.batch import BatchAugment
+from speedrun.data.pipeline.dataset import open_pipeline
 from speedrun.data.prepare import prepare
 from speedrun.engine.plan import plan_run
 from speedrun.files import atomic_write_json

@@ -127,7 +127,7 @@ def model_step_child(args) -> int:
     from speedrun.engine.loop import Session
     from speedrun.engine.plan import plan_run
     from speedrun.engine.runtime import pick_device
-    from speedrun.engine.step import resized_in_step
+    from speedrun.engine.sizes import resized_in_step, step_image_shapes
     from speedrun.files import atomic_write_json
     from speedrun.recipe import load_recipe
     recipe = load_recipe(str(args.model_step))
@@ -137,7 +137,8 @@ def model_step_child(args) -> int:
     t0 = time.perf_counter()
     session = Session(recipe, source, runtime, warm_up=True)
     build = time.perf_counter() - t0
-    sizes = Counter(h for h, _ in session.step_image_shapes(recipe, session.total_steps, session.steps_per_epoch))
+    sizes = Counter(h for h, _ in step_image_shapes(recipe, session.source.image_size, session.total_steps,
+                                                        session.steps_per_epoch))
     full = source.image_size[0]
     in_step = resized_in_step(recipe)
     per_size = []

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from speedrun.data.dataset import open_source
+from speedrun.data.pipeline.dataset import open_source
 from speedrun.engine.loop import Session
 from speedrun.engine.runtime import resolve_runtime
 from speedrun.recipe import load_recipe

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from speedrun.bench.structure import measure
 from speedrun.data import load_dataset
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.files import atomic_write_json
+from speedrun.profiling.step_structure import measure
 from speedrun.recipe import load_recipe
 from speedrun.report.environment import environment
 

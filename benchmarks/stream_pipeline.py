@@ -24,9 +24,9 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
-from speedrun.data.augment import BatchAugment, reflect_pad
-from speedrun.data.folder import folder_splits
-from speedrun.data.stream import Decoding, EpochSampler, ImageItems, collate, worker_context
+from speedrun.data.augment.batch import BatchAugment, reflect_pad
+from speedrun.data.sources.folder import folder_splits
+from speedrun.data.pipeline.stream import Decoding, EpochSampler, ImageItems, collate, worker_context
 from speedrun.recipe import AugmentConfig
 from speedrun.report.environment import environment
 from speedrun.files import atomic_write_json

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from speedrun.data.augment import (BatchAugment, alternating_flip_mask, crop, cutout, flip,
+from speedrun.data.augment.batch import (BatchAugment, alternating_flip_mask, crop, cutout, flip,
                                    reflect_pad)
-from speedrun.data.resident import ResidentData
+from speedrun.data.pipeline.resident import ResidentData
 from speedrun.recipe import AugmentConfig
 
 

@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedrun.data.colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS, color_jitter, lighting,
+from speedrun.data.augment.colour import (IMAGENET_EIGVAL, IMAGENET_EIGVEC, LUMA_WEIGHTS, color_jitter, lighting,
                                   sample_jitter, sample_lighting, sample_shift_and_scale, shift_and_scale)
-from speedrun.data.mixing import mix_batch, mixed_loss, mixed_targets
-from speedrun.data.resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
+from speedrun.data.augment.mixing import apply_mix, draw_mix
+from speedrun.engine.loss import mixed_loss
+from speedrun.data.augment.resized_crop import random_resized_crop, sample_rrc_boxes, supersampling
 
 MEAN3, STD3 = torch.tensor([0.49, 0.48, 0.45]), torch.tensor([0.25, 0.24, 0.26])
 MEAN1, STD1 = torch.tensor([0.29]), torch.tensor([0.35])
@@ -184,7 +185,7 @@ def test_shift_and_scale_factors_fill_their_ranges():
 
 
 def test_batch_augment_applies_the_shift_and_scale_it_drew():
-    from speedrun.data.augment import BatchAugment
+    from speedrun.data.augment.batch import BatchAugment
     from speedrun.recipe import AugmentConfig
     cfg = AugmentConfig(flip="none", brightness=0.3, contrast=0.2)
     aug = BatchAugment(cfg, 6, (4, 4), gen(0), CPU, MEAN3 * 255, STD3 * 255)
@@ -221,6 +222,24 @@ def test_lighting_is_the_identity_for_alpha_zero_and_for_grey_images():
 # ------------------------------------------------------------------------------------------
 # Mixup and CutMix
 # ------------------------------------------------------------------------------------------
+
+def mix_batch(x, y, mixup_alpha, cutmix_alpha, prob, rng):
+    """One step's mixing as the training step applies it: drawn on the host (draw_mix), applied
+    to the batch and its reverse (apply_mix); (x, y, y_partner, lam), an unmixed batch as it is."""
+    pixel_lam, box, lam = draw_mix(mixup_alpha, cutmix_alpha, prob, *x.shape[2:], rng)
+    if lam == 1.0 and box == (0, 0, 0, 0):
+        return x, y, y, 1.0
+    return apply_mix(x, pixel_lam, box), y, y.flip(0), lam
+
+
+def mixed_targets(y, y_partner, lam, num_classes, smoothing):
+    """The reference the loss is checked against: lam * smooth(onehot(y)) + (1 - lam) *
+    smooth(onehot(y_partner)), smooth(t) = (1 - smoothing) t + smoothing / K, the target of
+    F.cross_entropy's label smoothing."""
+    def smooth(labels):
+        return (1 - smoothing) * F.one_hot(labels, num_classes).float() + smoothing / num_classes
+    return lam * smooth(y) + (1 - lam) * smooth(y_partner)
+
 
 def test_an_unmixed_batch_is_returned_unchanged():
     x, y = torch.randn(4, 3, 6, 6), torch.arange(4)

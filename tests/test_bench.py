@@ -242,7 +242,7 @@ def test_ablate_writes_table_and_chart(bench_records):
 def test_run_flops_counts_each_step_at_the_size_it_trains_at():
     """Progressive resizing: steps at 16 px cost what a 16 px image costs, not a full one."""
     from speedrun.engine import flops
-    from speedrun.engine.loop import epoch_image_side
+    from speedrun.engine.sizes import epoch_image_side
     recipe = load_recipe("cifar10-94", ["train.epochs=4", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]"])
     spe = 10
     sizes = [(epoch_image_side(recipe, e, 32),) * 2 for e in range(4) for _ in range(spe)]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from speedrun import compat
-from speedrun.data.resident import STATS_BYTES, channel_stats, stats_chunk
+from speedrun.data.pipeline.resident import STATS_BYTES, channel_stats, stats_chunk
 from speedrun.engine.batch_finder import is_out_of_memory
 from speedrun.engine.flops import known_peak
 from speedrun.engine.runtime import CUDA_GRAPH_MODES, Runtime, auto_cuda_precision, uses_cuda_graphs
-from speedrun.train import _lost_peer
+from speedrun.engine.distributed import lost_peer
 
 
 @pytest.mark.parametrize("capability, precision", [
@@ -102,11 +102,11 @@ def test_out_of_memory_is_recognised_in_every_library_s_words(text, oom):
     (RuntimeError("Expected all tensors to be on the same device"), False),
 ])
 def test_a_local_cuda_error_is_not_blamed_on_other_ranks(err, lost):
-    assert _lost_peer(err) is lost
+    assert lost_peer(err) is lost
 
 
 def test_distributed_network_errors_are_lost_peers():
-    assert _lost_peer(torch.distributed.DistNetworkError("recv failed"))
+    assert lost_peer(torch.distributed.DistNetworkError("recv failed"))
 
 
 def test_channel_statistics_chunks_shrink_for_large_images_and_keep_the_result():

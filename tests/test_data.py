@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from speedrun.data import DataError, load_dataset
-from speedrun.data.download import md5sum, safe_extract
-from speedrun.data.builtin import CIFAR10, FASHION_MNIST, parse_idx, verify_files
+from speedrun.data.sources.download import md5sum, safe_extract
+from speedrun.data.sources.builtin import CIFAR10, FASHION_MNIST, parse_idx, verify_files
 
 
 # ---------------------------------------------------------------------------- the real data

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 
 from speedrun.data import DataError
-from speedrun.data.arrays import load_npz
-from speedrun.data.folder import folder_splits
+from speedrun.data.sources.arrays import load_npz
+from speedrun.data.sources.folder import folder_splits
 from speedrun.data.prepare import prepare
-from speedrun.data.stream import Decoding, ImageItems
+from speedrun.data.pipeline.stream import Decoding, ImageItems
 
 from test_failures import assert_unchanged, check_refused, snapshot
 
@@ -76,7 +76,7 @@ def test_asking_for_torchvision_without_it_is_one_clear_error_and_writes_nothing
 
 @needs_torchvision
 def test_torchvision_decoding_matches_the_pillow_path(photos):
-    from speedrun.data.device_decode import decode_to_square
+    from speedrun.data.sources.device_decode import decode_to_square
     train, _ = folder_splits(photos, 0.0, 0)
     paths = [train.path(i) for i in range(len(train))]
     assert {p.suffix for p in paths} == {".jpg", ".png"}
@@ -96,7 +96,7 @@ def test_torchvision_decoding_matches_the_pillow_path(photos):
 
 @needs_torchvision
 def test_a_corrupt_jpeg_is_named_or_skipped_by_the_torchvision_decoder(photos, tmp_path):
-    from speedrun.data.device_decode import decode_to_square
+    from speedrun.data.sources.device_decode import decode_to_square
     good = sorted((photos / "train" / "cat").glob("*.jpg"))[:3]
     data = good[0].read_bytes()
     truncated = tmp_path / "truncated.jpg"          # a readable header: fails in the batched decode
@@ -129,7 +129,7 @@ def test_prepare_with_the_torchvision_decoder_writes_the_npz_the_default_decoder
 @needs_torchvision
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvjpeg)")
 def test_nvjpeg_on_the_gpu_decodes_what_the_cpu_decodes(photos):
-    from speedrun.data.device_decode import decode_to_square
+    from speedrun.data.sources.device_decode import decode_to_square
     train, _ = folder_splits(photos, 0.0, 0)
     paths = [train.path(i) for i in range(len(train))]
     gpu, kept = decode_to_square(paths, 32, 3, torch.device("cuda"), False)

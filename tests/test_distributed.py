@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedrun.data.shard import Shard
+from speedrun.data.pipeline.shard import Shard
 
 SMALL = ["--set", "data.dataset=npz", "--set", "model.widths=[8,16,16]", "--set", "eval.tta=flip",
          "--device", "cpu"]

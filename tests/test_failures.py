@@ -27,7 +27,7 @@ import pytest
 import torch
 from PIL import Image
 
-from speedrun.data.skipped import listed, skipped_line
+from speedrun.data.sources.skipped import listed, skipped_line
 from speedrun.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from speedrun.errors import RunFolderError
 from speedrun.files import atomic_torch_save

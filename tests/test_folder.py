@@ -13,10 +13,10 @@ import torch
 from speedrun.data import DataError
 from speedrun.errors import RunFolderError
 from speedrun.recipe import load_recipe
-from speedrun.data.arrays import load_npz, open_npz
-from speedrun.data.folder import decode, folder_splits, scan, split
+from speedrun.data.sources.arrays import load_npz, open_npz
+from speedrun.data.sources.folder import decode, folder_splits, scan, split
 from speedrun.data.prepare import export, prepare, worker_pool
-from speedrun.data.stream import Decoding, EpochSampler, ImageItems
+from speedrun.data.pipeline.stream import Decoding, EpochSampler, ImageItems
 
 from test_cli import speedrun
 from test_distributed import processes
@@ -144,8 +144,8 @@ def test_the_streamed_loaders_workers_are_not_forked_from_the_training_process(j
     # a data-parallel run has gloo's threads running when its loaders start their workers; a fork
     # could copy a lock one of them holds into a worker that then waits forever (one such run
     # hung in CI): the workers come from the fork server, as prepare's do
-    from speedrun.data.dataset import open_pipeline, open_source
-    from speedrun.data.augment import BatchAugment
+    from speedrun.data.pipeline.dataset import open_pipeline, open_source
+    from speedrun.data.augment.batch import BatchAugment
     from speedrun.engine.runtime import resolve_runtime
     recipe, source = open_source(load_recipe("folder", [f"data.path={jpeg_dir}", "data.workers=2",
                                                         "model.widths=[8,16,16]", "data.batch_size=128"]))
@@ -243,8 +243,8 @@ def test_unreadable_images_stop_the_run_or_are_skipped_and_counted(jpeg_dir, tmp
 
 def test_host_and_device_random_resized_boxes_follow_the_same_rule():
     import random
-    from speedrun.data.resized_crop import sample_rrc_boxes
-    from speedrun.data.stream import rrc_box
+    from speedrun.data.augment.resized_crop import sample_rrc_boxes
+    from speedrun.data.pipeline.stream import rrc_box
     h, w, scale, ratio = 60, 90, (0.2, 0.9), (0.75, 4 / 3)
     host = np.array([rrc_box(h, w, scale, ratio, random.Random(i)) for i in range(4000)])
     dev = sample_rrc_boxes(4000, h, w, scale, ratio, torch.Generator().manual_seed(0), "cpu").numpy()

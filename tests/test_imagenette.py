@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from speedrun.data.dataset import FolderSource, open_source
-from speedrun.data.download import md5sum
-from speedrun.data.imagenette import CLASSES, OFFICIAL, ImagenetteSpec, resolve_imagenette
+from speedrun.data.pipeline.dataset import FolderSource, open_source
+from speedrun.data.sources.download import md5sum
+from speedrun.data.sources.imagenette import CLASSES, OFFICIAL, ImagenetteSpec, resolve_imagenette
 from speedrun.errors import DataError
 from speedrun.recipe import load_recipe
 

@@ -8,24 +8,29 @@ cycle. Function-level imports are allowed, to keep a command's start-up cost dow
 as a way round a cycle: a module imported inside a function does not import its importer
 back at module level. And the layers stay in order: report reads records and never runs or
 writes them (no bench, engine.loop or commands), the engine and the lower layers import no
-commands, and only ``__main__`` imports the command line."""
+commands and no profiling tools (a training run uses neither), the profiling tools import no
+commands and no report, and only ``__main__`` imports the command line."""
 import ast
 from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "speedrun"
 
-COMMANDS = ("speedrun.cli", "speedrun.train", "speedrun.bench", "speedrun.use")
+COMMANDS = ("speedrun.cli", "speedrun.train", "speedrun.bench", "speedrun.use", "speedrun.cluster")
+TOOLS = ("speedrun.profiling",)       # measure a step; commands and benchmarks use them, a run never
+COMMANDS_AND_TOOLS = (*COMMANDS, *TOOLS)
 FORBIDDEN = {
-    "speedrun.report": (*COMMANDS, "speedrun.engine.loop"),
-    "speedrun.engine": (*COMMANDS, "speedrun.report"),
-    "speedrun.data": (*COMMANDS, "speedrun.engine", "speedrun.report"),
-    "speedrun.models": (*COMMANDS, "speedrun.engine", "speedrun.report", "speedrun.data"),
-    "speedrun.optim": (*COMMANDS, "speedrun.engine", "speedrun.report", "speedrun.data"),
-    "speedrun.recipe": (*COMMANDS, "speedrun.engine", "speedrun.report", "speedrun.data"),
-    "speedrun.bench": ("speedrun.cli", "speedrun.train", "speedrun.use"),
-    "speedrun.use": ("speedrun.cli", "speedrun.train", "speedrun.bench"),
-    "speedrun.train": ("speedrun.cli", "speedrun.bench", "speedrun.use"),
+    "speedrun.report": (*COMMANDS_AND_TOOLS, "speedrun.engine.loop"),
+    "speedrun.engine": (*COMMANDS_AND_TOOLS, "speedrun.report"),
+    "speedrun.data": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report"),
+    "speedrun.models": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report", "speedrun.data"),
+    "speedrun.optim": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report", "speedrun.data"),
+    "speedrun.recipe": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report", "speedrun.data"),
+    "speedrun.profiling": (*COMMANDS, "speedrun.report"),
+    "speedrun.bench": ("speedrun.cli", "speedrun.train", "speedrun.use", "speedrun.cluster"),
+    "speedrun.cluster": ("speedrun.cli", "speedrun.train", "speedrun.use", "speedrun.bench", *TOOLS),
+    "speedrun.use": ("speedrun.cli", "speedrun.train", "speedrun.bench", "speedrun.cluster", *TOOLS),
+    "speedrun.train": ("speedrun.cli", "speedrun.bench", "speedrun.use", "speedrun.cluster", *TOOLS),
 }
 """Package (or module) -> what nothing in it imports, at module or function level."""
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session, first_bad_step
+from speedrun.engine.loop import Session
+from speedrun.engine.precision import NONFINITE_PATIENCE, NonFiniteLoss, first_bad_step
 from speedrun import compat
 from speedrun.engine.runtime import Runtime, auto_cpu_precision, compiled_graphs, resolve_runtime
 from speedrun.models.speednet import global_max_pool, select_max_pool
@@ -161,7 +162,7 @@ def test_progressive_steps_shrink_full_size_batches_inside_the_step(small):
     step.__class__ = Watched
     session.model.register_forward_pre_hook(lambda m, args: seen_by_model.add(args[0].shape[-1]))
     result = session.run()
-    assert sorted(session.image_sizes()) == [20, 28]
+    assert session.image_sides == [20, 28]
     assert seen_by_step == {(28, 20), (28, 28)}                 # always full size in, the size to shrink to
     assert seen_by_model >= {20, 28}
     assert result.test_acc > 0.5
@@ -339,7 +340,7 @@ def test_resident_data_makes_no_float_copy_of_the_training_set(data_dir):
     code = f"""
 import resource, torch
 from speedrun.data import load_dataset
-from speedrun.data.resident import ResidentData
+from speedrun.data.pipeline.resident import ResidentData
 ds = load_dataset("cifar10", {str(data_dir)!r}, fetch=False)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 data = ResidentData(ds, torch.device("cpu"), torch.float32, torch.channels_last, translate=2)
@@ -424,9 +425,9 @@ def test_a_cuda_runtime_turns_on_cudnn_autotuning_and_dynamo_limits():
 
 def test_benchmarks_drive_the_step_as_the_run_does_when_it_shrinks_batches_itself(small):
     """The batches the step-structure probe, flops' time split and the GPU benchmarks take
-    (bench.structure.real_batches) come as the run's do: full size, with the side the step
-    shrinks them to; timed_step passes it on, so the model sees each progressive size."""
-    from speedrun.bench.structure import real_batches, timed_step
+    (profiling.step_structure.real_batches) come as the run's do: full size, with the side the
+    step shrinks them to; timed_step passes it on, so the model sees each progressive size."""
+    from speedrun.profiling.step_structure import real_batches, timed_step
     recipe = _recipe("augment.translate=2", "augment.low_res=bilinear_in_step", "train.epochs=2",
                      "data.progressive=[[0.0, 0.75], [0.5, 1.0]]")
     session = Session(recipe, small, _runtime())

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import peers  # noqa: E402
 from peer_algorithm import (Algorithm, Normalise, TrainBatches, make_optimizer, random_translate,  # noqa: E402
                             tta_logits)
-from speedrun.data.augment import crop, reflect_pad  # noqa: E402
-from speedrun.data.resident import ResidentData  # noqa: E402
+from speedrun.data.augment.batch import crop, reflect_pad  # noqa: E402
+from speedrun.data.pipeline.resident import ResidentData  # noqa: E402
 from speedrun.engine.evaluate import tta_logits as speedrun_tta_logits  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.runtime import Runtime  # noqa: E402
@@ -105,7 +105,7 @@ def test_plain_steps_give_the_weights_of_speedruns_train_step(cifar_slice):
         their = next(g for g in step.opt.param_groups if g["name"] == roles[role])
         assert {names[id(p)] for p in group["params"]} == {theirs[id(p)] for p in their["params"]}
         frozen_from = algo.whiten_steps if role == "whiten_bias" else algo.total_steps
-        expected = [their["base_lr"] * m * (t < frozen_from) for t, m in enumerate(step.lrs)]
+        expected = [their["base_lr"] * m * (t < frozen_from) for t, m in enumerate(step.schedule.lrs)]
         assert [base_lr * lam(t) for t in range(algo.total_steps)] == pytest.approx(expected, rel=1e-12)
         assert base_lr * group["weight_decay"] == pytest.approx(their["base_lr"] * their["weight_decay"], rel=1e-12)
         assert (group["momentum"], group["nesterov"]) == (0.85, True)

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from speedrun.data.builtin import ArrayDataset
-from speedrun.data.cache import cache_key, use_cache
-from speedrun.data.choices import PHOTO_SIDE, choose, small_folder_batch
-from speedrun.data.dataset import open_source
-from speedrun.data.folder import folder_splits
-from speedrun.data.augment import BatchAugment
-from speedrun.data.resident import ResidentData
+from speedrun.data.sources.builtin import ArrayDataset
+from speedrun.data.sources.cache import cache_key, use_cache
+from speedrun.data.sources.choices import PHOTO_SIDE, choose, small_folder_batch
+from speedrun.data.pipeline.dataset import open_source
+from speedrun.data.sources.folder import folder_splits
+from speedrun.data.augment.batch import BatchAugment
+from speedrun.data.pipeline.resident import ResidentData
 from speedrun.errors import RecipeError
 from speedrun.recipe import load_recipe
 

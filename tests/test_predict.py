@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from speedrun.cli import main
-from speedrun.data.dataset import FolderSource, open_pipeline
-from speedrun.data.folder import folder_splits
+from speedrun.data.pipeline.dataset import FolderSource, open_pipeline
+from speedrun.data.sources.folder import folder_splits
 from speedrun.use import load_run, prepare_images
 from test_cli import speedrun
 
@@ -223,8 +223,8 @@ def test_evaluate_refuses_data_that_is_not_the_runs(evaluated, jpeg32, tmp_path,
 
 def array_run(folder, npz):
     """A run folder on arrays made by hand (untrained weights): what train writes, without training."""
-    from speedrun.data.arrays import load_npz
-    from speedrun.data.resident import ResidentData
+    from speedrun.data.sources.arrays import load_npz
+    from speedrun.data.pipeline.resident import ResidentData
     from speedrun.models import build_model
     from speedrun.recipe import load_recipe
     recipe = load_recipe("fashion-mnist", ["data.dataset=npz", f"data.path={str(npz)!r}", "model.widths=[8,8,8]"])

@@ -1,4 +1,4 @@
-"""data.prune: loss-based pruning of easy images between passes (speedrun.data.pruning), on
+"""data.prune: loss-based pruning of easy images between passes (speedrun.data.pipeline.pruning), on
 real data and real training processes."""
 import json
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speedrun.data.augment import BatchAugment
-from speedrun.data.pruning import LossPruner
+from speedrun.data.augment.batch import BatchAugment
+from speedrun.data.pipeline.pruning import LossPruner
 from speedrun.engine.runtime import Runtime
 from speedrun.engine.step import TrainStep
 from speedrun.errors import RecipeError

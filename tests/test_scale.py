@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from speedrun.bench.scale import (ALGORITHMS, COMM_BYTES, KNOWN_PARAMS, NETWORKS, Network, Workload,
-                                  allreduce_seconds, default_gpu_counts, predict, ring_allreduce_seconds,
-                                  tree_allreduce_seconds)
-from speedrun.bench.scale_calibration import PUBLISHED_RUNS, calibration_table
 from speedrun.cli import main
+from speedrun.cluster.calibration import PUBLISHED_RUNS, calibration_table
+from speedrun.cluster.model import (ALGORITHMS, COMM_BYTES, KNOWN_PARAMS, NETWORKS, Network, Workload,
+                                    allreduce_seconds, default_gpu_counts, predict, ring_allreduce_seconds,
+                                    tree_allreduce_seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNET50_FP16 = KNOWN_PARAMS["resnet50"] * COMM_BYTES["fp16"]

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedrun.bench.structure import cuda_graph_inputs, measure, profiled
-from speedrun.engine.loop import NONFINITE_PATIENCE, NonFiniteLoss, Session
+from speedrun.engine.loop import Session
+from speedrun.engine.precision import NONFINITE_PATIENCE, NonFiniteLoss
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
+from speedrun.profiling.step_structure import cuda_graph_inputs, measure, profiled
 from speedrun.recipe import load_recipe
 
 from matrix import CUDA_GRAPH_ROWS
@@ -120,7 +121,7 @@ def test_fp16_gradient_overflow_with_a_finite_loss_is_skipped_on_the_device_and_
     assert "overflowed" in str(err.value) and "loss scale" in str(err.value)
     assert torch.equal(err.value.last_good["head.weight"], start)      # epoch 1: every step undone
     # the epoch's 32 steps all ran (the loop looks at an epoch's flags once, at its end): 32 halvings
-    assert float(session.step.scaler.scale) == 2.0 ** (16 - 32)
+    assert float(session.step.precision.scaler.scale) == 2.0 ** (16 - 32)
 
 
 @pytest.mark.parametrize("name, precision, sets", CUDA_GRAPH_ROWS)
@@ -141,7 +142,7 @@ def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, 
 
 
 def test_the_fp16_overflow_flag_reads_the_gradients_without_writing_them():
-    from speedrun.engine.step import LossScale
+    from speedrun.engine.precision import LossScale
     scaler = LossScale(CPU)
     finite = [torch.randn(5, 3) * 1e4, torch.randn(7)]
     for bad, flagged in [(None, 0.0), (math.nan, 1.0), (math.inf, 1.0), (-math.inf, 1.0)]:

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from speedrun.engine.loop import epoch_image_side
-from speedrun.engine.step import TrainStep, distillation_loss
+from speedrun.engine.sizes import epoch_image_side
+from speedrun.engine.loss import distillation_loss
+from speedrun.engine.step import TrainStep
 from speedrun.optim.schedule import lr_multipliers
 from speedrun.recipe import CosineSchedule, PolySchedule, StepSchedule, load_recipe
 
@@ -165,7 +166,7 @@ def test_low_res_crop_cuts_windows_at_the_test_scale():
     """augment.low_res = crop: a smaller progressive batch is a random window of the translated
     image (pixels unchanged), every offset of the padded image reachable; at the full size the
     translation alone."""
-    from speedrun.data.augment import BatchAugment, reflect_pad
+    from speedrun.data.augment.batch import BatchAugment, reflect_pad
     from speedrun.recipe import AugmentConfig
     n, t = 4000, 2
     x = torch.arange(n * 32 * 32, dtype=torch.float32).reshape(n, 1, 32, 32)
@@ -240,15 +241,16 @@ def test_training_options_run_and_learn(fashion_small, tmp_path, extra):
 # --------------------------------------------------------------------------- batch finder
 def test_the_batch_is_settled_before_the_session_which_never_changes_its_recipe(data_dir):
     from speedrun.data import load_dataset
-    from speedrun.engine.loop import Session, settle
+    from speedrun.engine.loop import Session
+    from speedrun.engine.plan import fit_batch_to_device
     from speedrun.engine.runtime import Runtime
     ds = load_dataset("fashion-mnist", data_dir)
     rt = Runtime(torch.device("cpu"), "fp32", False, True)
     plain = load_recipe("fashion-mnist", ["model.widths=[8,8,8]", "data.batch_size=512"])
-    assert settle(plain, ds, rt) is plain                              # no probe without find_batch
+    assert fit_batch_to_device(plain, ds, rt) is plain                              # no probe without find_batch
     said = []
     finding = load_recipe("fashion-mnist", ["model.widths=[8,8,8]", "data.batch_size=512", "runtime.find_batch=true"])
-    settled = settle(finding, ds, rt, said.append)
+    settled = fit_batch_to_device(finding, ds, rt, said.append)
     assert settled == finding and said == []                           # 512 fits: nothing to change or say
     session = Session(settled, ds, rt)
     assert session.recipe is settled and session.local_batch == 512

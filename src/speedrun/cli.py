@@ -83,7 +83,7 @@ def _recipe_options(p, out_help: str, optional: bool = False, log: bool = True) 
 
 
 def _scale_options(p) -> None:
-    from .bench.scale import ALGORITHMS, COMM_BYTES, KNOWN_PARAMS, NETWORKS
+    from .cluster.model import ALGORITHMS, COMM_BYTES, KNOWN_PARAMS, NETWORKS
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", metavar="NAME", help=f"a known model ({', '.join(KNOWN_PARAMS)}; default resnet50)")
     what.add_argument("--recipe", help="a shipped recipe or .toml: its model is built on the meta device and "
@@ -328,8 +328,8 @@ def _flops() -> ModuleType:
 
 
 def _scale() -> ModuleType:
-    from .bench import scale_command
-    return scale_command
+    from .cluster import command
+    return command
 
 
 def _predict() -> ModuleType:
@@ -394,7 +394,7 @@ def data_command(args) -> int:
     from .data.prepare import export, prepare
     from .report.console import print_table
     if args.data_command == "prepare":
-        from .data.skipped import skipped_line
+        from .data.sources.skipped import skipped_line
         out = prepare(args.src, args.size, args.out, args.val_fraction or 0.0, args.seed, args.workers,
                       args.skip_corrupt, args.decoder)
         skipped = out.pop("skipped_files")

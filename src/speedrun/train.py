@@ -7,117 +7,29 @@ from pathlib import Path
 
 import torch
 
-from .engine import flops
-from .data.skipped import listed, skipped_line
+from .data.sources.skipped import skipped_line
 from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
-from .engine.loop import DataFailure, NonFiniteLoss, Session, settle
-from .engine.plan import newton_schulz_dtype, plan_run
-from .engine.records import RunResult
-from .engine.runtime import device_name, pick_device, resolve_runtime
+from .engine.loop import DataFailure, Session
+from .engine.plan import fit_batch_to_device, plan_run
+from .engine.precision import NonFiniteLoss
+from .engine.runtime import pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
-from .models import weight_grad
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
-from .report.record import NullRecord, RunRecord, new_run_dir
+from .report.record import NullRecord, RunRecord, new_run_dir, run_folder_bytes
+from .report.summary import preprocessing_of, summary_of
 
 
 def out_of_memory_message(recipe: Recipe, device) -> str:
     return (f"out of memory on {device} with data.batch_size={recipe.data.batch_size}; "
             "lower it with --set data.batch_size=N (optim.lr and optim.weight_decay are stated "
             "per optim.ref_batch examples, so the recipe's meaning is kept)")
-
-
-def flop_figures(result: RunResult, session: Session) -> dict:
-    rt = session.runtime
-    total = session.run_flops(result.steps)
-    eff = flops.efficiency(total["total_flops"], result.train_seconds, rt.device.type,
-                           device_name(rt.device), rt.precision)
-    return {**total, **eff}
-
-
-TRAIN_SECONDS_REGION = ("first touch of the training data on the device (channel statistics, whitening) to the "
-                        "final TTA accuracy, the device synchronised at both ends; excludes the move of an "
-                        "in-memory data set to the device (made just before, as a loader that holds it there "
-                        "would), the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
-                        "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
-
-
-def summary_of(recipe: Recipe, result: RunResult, session: Session, env: dict, wall: float) -> dict:
-    world, d = session.world, recipe.distributed
-    parallel = {**world.describe(), "per_rank_batch": session.local_batch}
-    if world.distributed:
-        parallel.update(backend=torch.distributed.get_backend(), bucket_mb=d.bucket_mb, compression=d.compression,
-                        norm_sync_ranks=recipe.model.norm.sync_ranks)
-    return {
-        "recipe": recipe.name,
-        "recipe_hash": recipe.digest(),
-        "dataset": recipe.data.dataset,
-        "data_path": data_path(recipe, session.source),
-        "target": recipe.target,
-        "test_acc": result.test_acc,
-        "test_acc_no_tta": result.test_acc_no_tta,
-        "test_images": result.test_images,
-        "tta": recipe.eval.tta,
-        "epochs": result.epochs,
-        "steps": result.steps,
-        "batch_size": recipe.data.batch_size,
-        "pass_images": result.pass_images,
-        "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
-        "conv_weight_grad_choices": weight_grad.choices(),
-        "train_seconds": result.train_seconds,
-        "train_seconds_region": TRAIN_SECONDS_REGION,
-        "final_eval_seconds": result.final_eval_seconds,
-        "compile_seconds": session.compile_seconds,
-        "monitor_seconds": result.monitor_seconds,
-        "bookkeeping_seconds": result.bookkeeping_seconds,
-        "recompiles": result.recompiles,
-        "wall_seconds": wall,
-        "seed": result.seed,
-        **skipped_images(result, session.source),
-        "resumed_from_step": result.resumed_from_step,
-        "data_choices": list(getattr(session.source, "choices", None) or []),
-        "data_cache": getattr(session.source, "cache", None),
-        **flop_figures(result, session),
-        **parallel,
-        **session.runtime.describe(),
-        **env,
-    }
-
-
-def skipped_images(result: RunResult, source) -> dict:
-    """The unreadable images the run left out (data.skip_corrupt): how many, and the first of
-    them by name with why, from the decoded cache and from the streamed batches."""
-    cache = getattr(source, "cache", None) or {}
-    count = result.skipped_images + (cache.get("skipped_images") or 0)
-    files = {**(getattr(source, "skipped_files", None) or {}), **result.skipped_files}
-    return {"skipped_images": count, **listed(files, count)}
-
-
-def data_path(recipe: Recipe, source) -> str | None:
-    """Where the run read its data, as an absolute path (evaluate and export look there): the
-    image folder or .npz file, or the folder holding a built-in set's files."""
-    where = recipe.data.path if recipe.data.dataset in ("folder", "npz") else getattr(source, "source", None)
-    return str(Path(where).expanduser().resolve()) if where else None
-
-
-def preprocessing_of(recipe: Recipe, session: Session, result: RunResult) -> dict:
-    """How the run's evaluation turned an image into the model's input, for predict, evaluate
-    and export: decode to ``channels``; for a folder run, resize the shorter side to
-    ``image_size / eval_crop`` and take the centre ``image_size`` square (arrays are stored at
-    ``image_size``); then (pixel - mean) / std per channel, in 0..255 units."""
-    ds, d = session.dataset, recipe.data
-    folder = d.dataset == "folder"
-    return {"dataset": d.dataset, "channels": ds.in_channels, "image_size": list(ds.eval_size),
-            "resize": "shorter_side_then_centre_crop" if folder else "to_image_size",
-            "eval_crop": d.eval_crop if folder else 1.0, "decoder": d.decoder,
-            "mean": result.normalisation[0], "std": result.normalisation[1], "pixel_range": [0, 255],
-            "classes": list(ds.classes), "tta": recipe.eval.tta, "layout": "NCHW"}
 
 
 def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
@@ -155,7 +67,7 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
     while True:
         session = Session(recipe, source, runtime, world=world)
         if world.is_main:
-            check_output_folder(record.folder, "--out", need_bytes=_bytes_needed(session))
+            check_output_folder(record.folder, "--out", need_bytes=run_folder_bytes(session.model, session.recipe))
             if resume is None:
                 record.write_config(recipe.to_toml())
         logs = loggers.MetricLogs(record, args.log, session.n_epochs, resume) if world.is_main and args.log else None
@@ -176,21 +88,13 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
             if not (recipe.runtime.find_batch and is_out_of_memory(err) and resume is None):
                 raise
             del session, err
-            recipe = settle(halve_batch(recipe, runtime, say), source, runtime, say)
+            recipe = fit_batch_to_device(halve_batch(recipe, runtime, say), source, runtime, say)
             record.reset_metrics()
             if logs is not None:
                 logs.remove()
         finally:
             if logs is not None:
                 logs.close()
-
-
-def _bytes_needed(session: Session) -> int:
-    """Disk the run folder needs: the weights (model.pt, last_good.pt) and, with checkpoints,
-    a checkpoint (weights, optimizer state, average) written beside the one it replaces."""
-    weights = sum(t.numel() * t.element_size() for t in session.model.state_dict().values())
-    c = session.recipe.checkpoint
-    return weights * (2 + (8 if (c.every_steps or c.every_epochs) else 0)) + (1 << 20)
 
 
 def _run_folder(args, recipe: Recipe, world: World) -> Path:
@@ -253,7 +157,7 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if is_out_of_memory(err):
             raise TrainingStopped(out_of_memory_message(recipe, runtime.device)) from None
-        if world.distributed and _lost_peer(err):
+        if world.distributed and distributed.lost_peer(err):
             raise DistributedError(f"rank {world.rank} of {world.size} lost contact with the other processes "
                                    f"({str(err).splitlines()[0][:300]}): another rank failed or hung (its own "
                                    "message, or the launcher's, names it)") from None
@@ -289,28 +193,6 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         files = {e["path"]: e["reason"] for e in summary["skipped_files"]}
         say(skipped_line(files, summary["skipped_images"], record.folder / "summary.json"))
     return 0
-
-
-LOCAL_FAILURES = ("cuda error", "cuda out of memory", "illegal memory access", "unhandled cuda error",
-                  "cublas_status", "cudnn_status", "device-side assert", "out of memory")
-PEER_FAILURES = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out",
-                 "timeout", "by peer", "remote process", "peer closed", "communicator was aborted",
-                 "socket closed", "read error", "unexpected eof")
-
-
-def _lost_peer(err: BaseException) -> bool:
-    """Whether a collective failed because another process went away or timed out, from the
-    exception alone: network and timeout errors (gloo's "Connection closed by peer" and
-    "Timed out waiting", NCCL's aborted communicator, torch's DistNetworkError) are about the
-    other ranks; an error of this process's own GPU (a CUDA error, out of memory, an illegal
-    memory access, NCCL's "unhandled cuda error") is not, even when NCCL reports it."""
-    text = str(err).lower()
-    if any(k in text for k in LOCAL_FAILURES):
-        return False
-    network_error = getattr(torch.distributed, "DistNetworkError", None)
-    if network_error is not None and isinstance(err, network_error):
-        return True
-    return any(k in text for k in PEER_FAILURES)
 
 
 def recipes_command(args) -> int:

@@ -12,9 +12,9 @@ from ..engine.loop import Session
 from ..engine.plan import plan_run
 from ..engine.runtime import device_name
 from ..files import atomic_write_json, check_output_file
+from ..profiling.step_structure import real_batches, timed_step
 from ..report.console import make_console
 from .common import recipe_and_device
-from .structure import real_batches, timed_step
 
 out = make_console()
 
@@ -46,7 +46,7 @@ def flops_command(args) -> int:
     plan = plan_run(recipe, args.data_dir, device)
     recipe, ds, runtime = plan.recipe, plan.source, plan.runtime
     session = Session(recipe, ds, runtime, warm_up=True)
-    total = session.run_flops(session.total_steps)
+    total = flops.flops_of_run(session.recipe, session.source, session.total_steps, session.step.frozen_from)
     name = device_name(runtime.device)
     peak = flops.known_peak(name, runtime.precision)
     measured = flops.measured_peak(runtime.device.type, runtime.precision)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from ..data.dataset import open_source
+from ..data.pipeline.dataset import open_source
 from ..engine.loop import Session
 from ..engine.plan import plan_run
 from ..recipe import Recipe
@@ -79,7 +79,7 @@ def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | Non
         session.reset(seed)
         rt.synchronize()
         t1 = time.perf_counter()
-        session.dataset = open_source(recipe, data_dir)[1]
+        session.source = open_source(recipe, data_dir)[1]
         result = session.run(seed, progress)
         t2 = time.perf_counter()
         paused = result.monitor_seconds
@@ -99,7 +99,8 @@ def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | Non
             atomic_write_json(out_path, record)
         if on_run is not None:
             on_run(i, run)
-    total = session.run_flops(record["runs"][0]["steps"] if runs else 0)
+    total = flops.flops_of_run(session.recipe, session.source, record["runs"][0]["steps"] if runs else 0,
+                               session.step.frozen_from)
     mean_time = record["summary"]["times"]["train+eval"]["mean"] if runs else 0.0
     record["flops"] = {**total, **flops.efficiency(total["total_flops"], mean_time, rt.device.type,
                                                    record["environment"]["device_name"], rt.precision)}

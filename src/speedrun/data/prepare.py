@@ -24,10 +24,10 @@ from rich.progress import Progress
 
 from ..errors import DataError, RunFolderError
 from ..files import check_output_file, check_output_folder, disk_error, make_folder
-from .folder import ImageList, folder_splits, probe
-from .builtin import load_dataset
-from .skipped import Skipped
-from .stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
+from .sources.folder import ImageList, folder_splits, probe
+from .sources.builtin import load_dataset
+from .sources.skipped import Skipped
+from .pipeline.stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
 
 DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
 DEVICE_BATCH = 256
@@ -90,7 +90,7 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
 def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt: bool, label: str,
                       device: torch.device, arr: np.ndarray, kept: np.ndarray) -> None:
     """The torchvision decoder: batches of files decoded and resized on ``device``."""
-    from .device_decode import decode_to_square
+    from .sources.device_decode import decode_to_square
     with Progress(transient=True) as bar:
         task = bar.add_task(f"decoding {label} on {device.type}", total=len(images))
         for start in range(0, len(images), DEVICE_BATCH):
@@ -134,7 +134,7 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
     if decoder not in DECODERS:
         raise DataError(f"--decoder {decoder!r}: use one of {', '.join(DECODERS)}")
     if decoder == "torchvision":
-        from .device_decode import torchvision_io
+        from .sources.device_decode import torchvision_io
         torchvision_io()                            # refused before anything is written
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     train, val = folder_splits(src, val_fraction, seed)

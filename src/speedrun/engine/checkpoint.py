@@ -78,13 +78,13 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
     RunState, ``clock``: its Clock)."""
     return save(folder, {
         "recipe": recipe.to_dict(), "recipe_hash": recipe.digest(), "seed": seed,
-        "step": st.step, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
+        "step": step.steps_done, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
         "model": model.state_dict(), "train_step": step.state_dict(),
         "epoch_gen_state": st.epoch_gen_state.cpu(), "cpu_rng": torch.get_rng_state(),
         "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
         "elapsed": clock.elapsed(), "paused": dict(clock.paused),
-        **({"pruner": {**step.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
-           if step.pruner is not None else {}),
+        **({"pruner": {**step.loss.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
+           if step.loss.pruner is not None else {}),
     })
 
 
@@ -101,6 +101,9 @@ def restore_run(state: dict, recipe, model, step, st) -> tuple[float, dict]:
     st.gen.set_state(st.epoch_gen_state)
     torch.set_rng_state(state["cpu_rng"])
     st.history = [EpochRecord(**h) for h in state["history"]]
-    st.step, st.epoch, st.skip = state["step"], state["epoch"], state["batch_in_epoch"]
+    if step.steps_done != state["step"]:
+        raise CheckpointError(f"the checkpoint's step {state['step']} and its training step's counter "
+                              f"{step.steps_done} differ; it is damaged")
+    st.epoch, st.skip = state["epoch"], state["batch_in_epoch"]
     st.nonfinite_run = state.get("nonfinite_run", 0)
     return state["elapsed"], state["paused"]

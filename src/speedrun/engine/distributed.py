@@ -255,3 +255,25 @@ def average_norm_statistics(model: nn.Module, world: World) -> None:
         dist.all_reduce(flat)
         flat /= world.size
         torch._foreach_copy_(stats, list(flat.split([b.numel() for b in stats])))
+
+
+LOCAL_FAILURES = ("cuda error", "cuda out of memory", "illegal memory access", "unhandled cuda error",
+                  "cublas_status", "cudnn_status", "device-side assert", "out of memory")
+PEER_FAILURES = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out",
+                 "timeout", "by peer", "remote process", "peer closed", "communicator was aborted",
+                 "socket closed", "read error", "unexpected eof")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because another process went away or timed out, from the
+    exception alone: network and timeout errors (gloo's "Connection closed by peer" and
+    "Timed out waiting", NCCL's aborted communicator, torch's DistNetworkError) are about the
+    other ranks; an error of this process's own GPU (a CUDA error, out of memory, an illegal
+    memory access, NCCL's "unhandled cuda error") is not, even when NCCL reports it."""
+    text = str(err).lower()
+    if any(k in text for k in LOCAL_FAILURES):
+        return False
+    network_error = getattr(torch.distributed, "DistNetworkError", None)
+    if network_error is not None and isinstance(err, network_error):
+        return True
+    return any(k in text for k in PEER_FAILURES)

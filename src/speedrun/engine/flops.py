@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .evaluate import TTA_VIEWS
+from .sizes import step_image_shapes
 from ..models import build_model
-from ..recipe import Recipe
+from ..recipe import Recipe, steps_per_epoch
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s from the vendors' datasheets, for the
 # precisions a recipe runs in, keyed by the tokens of the name torch.cuda.get_device_name
@@ -133,6 +134,16 @@ def run_flops(recipe: Recipe, in_channels: int, num_classes: int, image_size: tu
             "steps_without_whitening_gradient": sum(frozen_at.values()),
             "train_flops": train, "eval_flops": evaluate, "total_flops": train + evaluate}
 
+
+
+def flops_of_run(recipe: Recipe, source, steps: int, frozen_from: int | None = None) -> dict:
+    """:func:`run_flops` for ``steps`` training steps of ``recipe`` on the data of ``source``
+    (each step at the size progressive resizing gives it) and the final evaluation at the
+    data's evaluation size; ``frozen_from``: the training step's ``frozen_from``."""
+    spe = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
+    shapes = step_image_shapes(recipe, source.image_size, steps, spe)
+    return run_flops(recipe, source.in_channels, source.num_classes, source.image_size, shapes, len(source.test_y),
+                     eval_size=source.eval_size, frozen_from=frozen_from)
 
 def efficiency(total_flops: float, seconds: float, device_type: str, device_name: str,
                precision: str, measure: bool | None = None) -> dict:

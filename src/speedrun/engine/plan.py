@@ -5,7 +5,7 @@ one order, before anything trains.
    the values the recipe leaves to the data (``auto``) are filled in from it;
 2. the runtime is resolved for the device (``resolve_runtime``), now that the run's length
    and model are known: precision, compilation, memory format;
-3. the batch is fitted to the device (``settle``) where ``runtime.find_batch`` asks for it.
+3. the batch is fitted to the device (``fit_batch_to_device``) where ``runtime.find_batch`` asks for it.
 
 ``speedrun train``, ``bench``, ``ablate`` and ``flops``, the step-structure probe and the
 benchmark scripts all start from :func:`plan_run`, so a recipe runs the same way under each.
@@ -18,11 +18,41 @@ from typing import Callable
 
 import torch
 
-from ..data.dataset import open_source
+from ..data.pipeline.dataset import open_source
 from ..optim.orthogonal import ns_dtype
 from ..recipe import Recipe, total_steps
-from .loop import settle
+from .batch_finder import fit_batch as fit_batch_to
+from .build import build_for_run, teacher_for, train_step_for
+from .distributed import World
 from .runtime import Runtime, resolve_runtime
+
+
+def fit_batch_to_device(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
+    """The recipe with its batch fitted to the device (``runtime.find_batch``): the largest
+    ``data.batch_size``, halving from the recipe's, whose real training step fits. The probe
+    builds the run's model (the run then gets the same compiled model back) and tries one
+    step of each candidate recipe on random data at LR 0, putting the weights back after."""
+    if not recipe.runtime.find_batch:
+        return recipe
+    runtime = runtime.activate(hold_memory=False)       # a failed probe's memory handed back before the next
+    built = build_for_run(recipe, source, runtime, World(), recipe.train.seed)
+    teacher = teacher_for(recipe, source, runtime)
+
+    def probe(candidate: Recipe) -> None:
+        step = train_step_for(candidate, source, runtime, built, teacher)
+        step.idle()
+        batch = candidate.data.batch_size
+        x = torch.randn(batch, source.in_channels, *source.image_size, device=runtime.device, dtype=runtime.dtype)
+        y = torch.randint(0, source.num_classes, (batch,), device=runtime.device)
+        saved = {k: v.detach().clone() for k, v in built.model.state_dict().items()}
+        try:
+            step(x.contiguous(memory_format=runtime.memory_format), y)
+            runtime.synchronize()
+        finally:
+            built.model.load_state_dict(saved)
+            for p in built.model.parameters():
+                p.grad = None
+    return fit_batch_to(recipe, probe, runtime, say)
 
 
 @dataclass
@@ -75,5 +105,5 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
         for line in choices:
             say(line)
     if fit_batch:
-        recipe = settle(recipe, source, runtime, say or print)
+        recipe = fit_batch_to_device(recipe, source, runtime, say or print)
     return Plan(recipe, source, runtime, choices, opened)

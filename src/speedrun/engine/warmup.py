@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ..data.augment import BatchAugment, reflect_pad
-from ..data.resident import resize
-from ..data.shard import Shard
+from ..data.augment.batch import BatchAugment, reflect_pad
+from ..data.pipeline.resident import resize
+from ..data.pipeline.shard import Shard
 from .evaluate import evaluate
-from .step import resized_in_step
+from .sizes import resized_in_step
 
 TRAIN_CALLS = 3
 """Training steps per image size (CUDA graphs record on the second or third call)."""
@@ -56,7 +56,7 @@ def warm_up(session) -> float:
     step.idle()                                         # LR 0: kernels run, weights stay
     model.train()
     in_step = resized_in_step(r)
-    for size in session.image_sizes():
+    for size in session.image_sides:
         # crops are cut from the stored images; a step that resizes itself gets full-size batches
         side = stored[0] if augment.resized_crop or in_step else size
         x = augment(reflect_pad(randn(batch, c, side, side).to(rt.dtype), augment.translate),

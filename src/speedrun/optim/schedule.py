@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from ..recipe import CosineSchedule, OneCycleSchedule, PiecewiseSchedule, PolySchedule, StepSchedule
 
@@ -59,3 +60,31 @@ def momenta(cfg, base_momentum: float, total_steps: int) -> list[float] | None:
         return piecewise_linear([0, cfg.peak_at, 1], [base_momentum, cfg.momentum_low, base_momentum],
                                 total_steps)
     return None
+
+
+class ScheduleTables:
+    """A run's schedule, step by step: on the host for logs (:attr:`lrs`, :attr:`moms`), and
+    on the device for the training step, which looks its step up with its counter (a device
+    tensor), so that a compiled step never sees a changing Python number. The device tables
+    are allocated once; :meth:`idle` zeroes the LR (the warm-up's steps must not train) and
+    :meth:`restore` puts it back."""
+
+    def __init__(self, cfg, base_momentum: float, total_steps: int, steps_per_epoch: int, device: torch.device):
+        self.lrs = lr_multipliers(cfg, total_steps, steps_per_epoch)
+        self.moms = momenta(cfg, base_momentum, total_steps)
+        self.lr_table = torch.tensor(self.lrs, dtype=torch.float32, device=device)
+        self.mom_table = None if self.moms is None else torch.tensor(self.moms, dtype=torch.float32, device=device)
+
+    def at(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(LR multiplier, momentum or None) of the step ``index`` (a 1-element device tensor)."""
+        lr_mult = self.lr_table.index_select(0, index)[0]
+        return lr_mult, None if self.mom_table is None else self.mom_table.index_select(0, index)[0]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.lr_table] + ([self.mom_table] if self.mom_table is not None else [])
+
+    def idle(self) -> None:
+        self.lr_table.zero_()
+
+    def restore(self) -> None:
+        self.lr_table.copy_(torch.tensor(self.lrs, dtype=torch.float32))

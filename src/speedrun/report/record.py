@@ -23,6 +23,15 @@ KEEP_FILES = ("summary.json", "model.pt", "checkpoint.pt", "last_good.pt")
 """Files worth keeping after a failure: a folder holding one of them is never removed."""
 
 
+def run_folder_bytes(model, recipe) -> int:
+    """Disk the run folder of ``recipe``'s run of ``model`` needs: the weights (model.pt,
+    last_good.pt) and, with checkpoints, a checkpoint (weights, optimizer state, average)
+    written beside the one it replaces."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    c = recipe.checkpoint
+    return weights * (2 + (8 if (c.every_steps or c.every_epochs) else 0)) + (1 << 20)
+
+
 def new_run_dir(recipe_name: str, root: Path = Path("runs")) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = root / f"{recipe_name}-{stamp}"

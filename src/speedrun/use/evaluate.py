@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..data.dataset import FolderSource, open_pipeline, open_source
-from ..data.folder import folder_splits
+from ..data.pipeline.dataset import FolderSource, open_pipeline, open_source
+from ..data.sources.folder import folder_splits
 from ..engine.evaluate import evaluate
 from ..engine.runtime import compiled_model, device_name
 from ..errors import DataError

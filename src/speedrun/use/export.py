@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 
 from .. import __version__
-from ..data.arrays import load_npz
-from ..data.builtin import load_dataset
-from ..data.folder import folder_splits
+from ..data.sources.arrays import load_npz
+from ..data.sources.builtin import load_dataset
+from ..data.sources.folder import folder_splits
 from ..errors import DataError, ExportError, RunFolderError, UsageError
 from ..files import atomic_write_bytes, check_output_file, human_bytes
 from .loaded import LoadedRun, check_classes, decode_images, load_run, normalise, read_weights

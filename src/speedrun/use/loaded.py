@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 from PIL import Image
 
-from ..data.folder import ImageList, decode, read_bytes
-from ..data.skipped import reason_of
-from ..data.stream import Decoding, ImageItems, Unreadable
+from ..data.sources.folder import ImageList, decode, read_bytes
+from ..data.sources.skipped import reason_of
+from ..data.pipeline.stream import Decoding, ImageItems, Unreadable
 from ..engine.checkpoint import read_weights
 from ..engine.runtime import Runtime, pick_device, resolve_runtime
 from ..errors import CheckpointError, DataError, RecordError, RunFolderError

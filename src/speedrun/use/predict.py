@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.folder import IMAGE_EXTENSIONS
+from ..data.sources.folder import IMAGE_EXTENSIONS
 from ..engine.evaluate import tta_logits
 from ..errors import DataError, UsageError
 from ..files import atomic_write_text, check_output_file

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..errors import DataError
+from ...errors import DataError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff"}
 JPEG_EXTENSIONS = {".jpg", ".jpeg"}

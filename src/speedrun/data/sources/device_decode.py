@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from ..errors import DataError
+from ...errors import DataError
 from .folder import MAX_PIXELS, _open, _too_large, corrupt_error, decode, read_bytes
 
 JPEG_MAGIC = b"\xff\xd8\xff"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from ..errors import DataError
+from ...errors import DataError
 
 
 def md5sum(path: Path, chunk: int = 1 << 22) -> str:

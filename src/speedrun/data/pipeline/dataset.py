@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, set_values
-from .arrays import load_npz
-from ..errors import DataError
-from .folder import ImageList, folder_splits, probe
-from .builtin import SPECS, ArrayDataset, load_dataset
-from .cache import open_cached, use_cache
-from .choices import choose, default_eval_crop, small_image_size
+from ...recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, set_values
+from ..sources.arrays import load_npz
+from ...errors import DataError
+from ..sources.folder import ImageList, folder_splits, probe
+from ..sources.builtin import SPECS, ArrayDataset, load_dataset
+from ..sources.cache import open_cached, use_cache
+from ..sources.choices import choose, default_eval_crop, small_image_size
 from .resident import ResidentData
 from .shard import Shard
 from .stream import StreamedData, default_workers, sample_stats, start_worker_server
@@ -76,7 +76,7 @@ class FolderSource:
 def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                       user: list[str] | None = None) -> tuple[Recipe, list[str]]:
     """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
-    recipe) the choices of :mod:`speedrun.data.choices`, under the user's ``--set`` values
+    recipe) the choices of :mod:`speedrun.data.sources.choices`, under the user's ``--set`` values
     (``user``), which are applied last, to the sections the data chose (the model's were held
     back until now: :func:`~speedrun.recipe.held_for_data`); else only the 'auto' sizes.
     Returns the recipe (as it will run: auto_choices off, every value filled in) and the
@@ -128,7 +128,7 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
     """(the recipe with data-derived values filled in, the dataset). The dataset's
     ``choices`` say what was chosen from the data and why; ``say`` reports a cache being made."""
     if recipe.data.dataset == "imagenette":             # found or fetched, then an image folder
-        from .imagenette import resolve_imagenette
+        from ..sources.imagenette import resolve_imagenette
         recipe = resolve_imagenette(recipe, data_dir)
     user = list(recipe._overrides)
     recipe = resolve_batch(recipe)

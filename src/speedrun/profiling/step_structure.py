@@ -116,10 +116,9 @@ def real_batches(session, seed: int = 0):
     progressive resizing happens inside the step (``augment.low_res = "bilinear_in_step"``; the
     batch then comes at full size), else None. The caller drives the step as the run does:
     ``session.step(x, y, size)``."""
-    from ..data.augment import BatchAugment
-    from ..data.dataset import open_pipeline
-    from ..engine.loop import epoch_image_side
-    from ..engine.step import resized_in_step
+    from ..data.augment.batch import BatchAugment
+    from ..data.pipeline.dataset import open_pipeline
+    from ..engine.sizes import epoch_image_side, resized_in_step
     rt, recipe = session.runtime, session.recipe
     session.reset(seed)
     data = open_pipeline(session.source, recipe, rt, seed, session.shard)

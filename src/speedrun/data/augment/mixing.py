@@ -1,14 +1,13 @@
-"""Mixing images and their labels: mixup (Zhang et al., 2018) and CutMix (Yun et al., 2019),
-with the matching loss. The per-batch numbers are scalars that steer Python control flow, so
-they come from a host ``numpy.random.Generator``, fixed by its seed; nothing is read back
-from the device."""
+"""Mixing images: mixup (Zhang et al., 2018) and CutMix (Yun et al., 2019); the loss that
+weights the two labels alike is :func:`speedrun.engine.loss.mixed_loss`. The per-batch
+numbers are scalars that steer Python control flow, so they come from a host
+``numpy.random.Generator``, fixed by its seed; nothing is read back from the device."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 def draw_mix(mixup_alpha: float, cutmix_alpha: float, prob: float, h: int, w: int,
              rng: np.random.Generator) -> tuple[float, tuple[int, int, int, int], float]:
@@ -50,17 +49,6 @@ def apply_mix(x: torch.Tensor, pixel_lam, box) -> torch.Tensor:
     return torch.where(inside, partner, blended.to(x.dtype))
 
 
-def mix_batch(x: torch.Tensor, y: torch.Tensor, mixup_alpha: float, cutmix_alpha: float,
-              prob: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Mix the batch with its reverse by mixup or CutMix (see :func:`draw_mix`); returns
-    (x, y, y_partner, lam). An unmixed batch comes back as it is, with y as its own partner
-    and lam = 1. All draws come from the host ``rng``; nothing is read from the device."""
-    pixel_lam, box, lam = draw_mix(mixup_alpha, cutmix_alpha, prob, *x.shape[2:], rng)
-    if lam == 1.0 and box == (0, 0, 0, 0):
-        return x, y, y, 1.0
-    return apply_mix(x, pixel_lam, box), y, y.flip(0), lam
-
-
 class MixPlan:
     """Every step's mixing for a whole run, drawn on the host from the run's seed before it
     starts (so a resumed run draws the same), and kept on the device as three tables that
@@ -86,24 +74,3 @@ class MixPlan:
         i = step.reshape(1)
         box = self.box.index_select(0, i)[0]
         return self.pixel_lam.index_select(0, i)[0], tuple(box.unbind()), self.loss_lam.index_select(0, i)[0]
-
-
-def mixed_targets(y: torch.Tensor, y_partner: torch.Tensor, lam: float, num_classes: int,
-                  smoothing: float) -> torch.Tensor:
-    """(N, K) target distribution lam * smooth(onehot(y)) + (1 - lam) * smooth(onehot(y_partner)),
-    with smooth(t) = (1 - smoothing) t + smoothing / K, the target of F.cross_entropy's
-    label smoothing."""
-    def smooth(labels):
-        return (1 - smoothing) * F.one_hot(labels, num_classes).float() + smoothing / num_classes
-    return lam * smooth(y) + (1 - lam) * smooth(y_partner)
-
-
-def mixed_loss(logits: torch.Tensor, y: torch.Tensor, y_partner: torch.Tensor, lam,
-               smoothing: float) -> torch.Tensor:
-    """lam * CE(y) + (1 - lam) * CE(y_partner): the cross entropy against
-    :func:`mixed_targets`, without building the (N, K) targets. ``lam`` is a number (an unmixed
-    batch, lam 1, costs one CE) or a device tensor (both CEs, weighted on the device)."""
-    loss = F.cross_entropy(logits, y, label_smoothing=smoothing)
-    if isinstance(lam, (int, float)) and lam == 1:
-        return loss
-    return lam * loss + (1 - lam) * F.cross_entropy(logits, y_partner, label_smoothing=smoothing)

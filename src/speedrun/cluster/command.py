@@ -1,8 +1,8 @@
-"""``speedrun scale``: the cost model of ``scale.py`` from the command line.
+"""``speedrun scale``: the cost model of ``model.py`` from the command line.
 
 Reads what the model needs (gradient size, one GPU's speed, the network), checks every value
 before anything is written, prints a table and optionally writes a plot and the numbers.
-``--calibration`` prints the model against the published runs of ``scale_calibration.py``.
+``--calibration`` prints the model against the published runs of ``calibration.py``.
 Nothing here imports torch unless ``--recipe`` asks for a model to be built.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.table import Table
 from ..errors import UsageError
 from ..files import atomic_write_bytes, atomic_write_json, check_output_file
 from ..report.console import make_console
-from .scale import (COMM_BYTES, KNOWN_PARAMS, Network, Workload, default_gpu_counts, network_preset, predict)
+from .model import (COMM_BYTES, KNOWN_PARAMS, Network, Workload, default_gpu_counts, network_preset, predict)
 
 out = make_console()
 DEFAULT_NETWORK = "dgx-a100"
@@ -46,7 +46,7 @@ def recipe_model_params(name: str, classes: int | None) -> tuple[int, str, int |
     with the recipe's batch per device when it names one."""
     import torch
 
-    from ..data.builtin import SPECS
+    from ..data.sources.builtin import SPECS
     from ..models import build_model
     from ..recipe import load_recipe
     if classes is not None and classes < 1:
@@ -221,7 +221,7 @@ def scale_command(args) -> int:
 
 
 def calibration_command(args) -> int:
-    from .scale_calibration import calibration_table
+    from .calibration import calibration_table
     if args.plot:
         raise UsageError("--plot draws a prediction; it is not used with --calibration (--json is)")
     if args.json:

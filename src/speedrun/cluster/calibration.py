@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scale import COMM_BYTES, KNOWN_PARAMS, NETWORKS, Workload, predict
+from .model import COMM_BYTES, KNOWN_PARAMS, NETWORKS, Workload, predict
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -18,7 +18,7 @@ IMAGENET_TRAIN_IMAGES = 1_281_167
 class PublishedRun:
     key: str
     source: str                   # paper title, or MLPerf round, submitter and result ids
-    network: str                  # a preset of scale.NETWORKS
+    network: str                  # a preset of model.NETWORKS
     algorithm: str
     comm_dtype: str
     gpus: int

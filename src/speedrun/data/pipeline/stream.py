@@ -25,12 +25,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..errors import DataError
-from .augment import reflect_pad
-from .resized_crop import RRC_TRIES, centre_fallback
-from .folder import ImageList, decode, read_bytes
+from ...errors import DataError
+from ..augment.batch import reflect_pad
+from ..augment.resized_crop import RRC_TRIES, centre_fallback
+from ..sources.folder import ImageList, decode, read_bytes
 from .shard import Shard
-from .skipped import Skipped, reason_of
+from ..sources.skipped import Skipped, reason_of
 
 
 def default_workers(requested: int) -> int:

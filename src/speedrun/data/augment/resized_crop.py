@@ -1,7 +1,7 @@
 """Random-resized crops (Szegedy et al., 2015) on whole batches on the device: the boxes are
 drawn for a batch at once and every image is resampled by one affine grid.
 
-As in ``augment.py``, the operation is a pure function of the images and the numbers it is
+As in ``batch.py``, the operation is a pure function of the images and the numbers it is
 handed, and the sampler that draws those numbers is separate; nothing is read back to the
 host, so a training step stays free of synchronisation.
 """

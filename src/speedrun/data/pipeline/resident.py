@@ -11,8 +11,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .augment import BatchAugment, reflect_pad
-from .builtin import ArrayDataset
+from ..augment.batch import BatchAugment, reflect_pad
+from ..sources.builtin import ArrayDataset
 from .shard import Shard
 
 STATS_BYTES = 64 << 20
@@ -122,7 +122,7 @@ class ResidentData:
             yield self._train_batch(idx, augment, draws, size)
 
     def _pruned_epoch(self, epoch, batch_size, augment, generator, size, skip):
-        """An epoch's worth of steps from the pruner's passes (see :mod:`speedrun.data.pruning`)."""
+        """An epoch's worth of steps from the pruner's passes (see :mod:`speedrun.data.pipeline.pruning`)."""
         spe = self.n_train // batch_size
         for i in range(skip, spe):
             idx = self.pruner.batch(batch_size, epoch * spe + i, generator, augment)

@@ -7,7 +7,7 @@ the gradient all-reduce the backward pass does not hide, plus an optional fixed 
 all-reduce follows the usual latency-bandwidth (alpha-beta) costs of the ring, tree and
 hierarchical (2D-torus) algorithms, with links of two speeds: inside a node (NVLink) and
 between nodes (the network). Everything here is a pure function of its arguments; the command
-(``scale_command.py``) reads options and prints, the calibration (``scale_calibration.py``)
+(``command.py``) reads options and prints, the calibration (``calibration.py``)
 compares with published runs. ``docs/scaling.md`` states what the model leaves out.
 """
 from __future__ import annotations

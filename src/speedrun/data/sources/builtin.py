@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ...errors import DataError
 from .download import download, md5sum, safe_extract
 
 

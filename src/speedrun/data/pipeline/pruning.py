@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..errors import RecipeError
+from ...errors import RecipeError
 
 
 class LossPruner:

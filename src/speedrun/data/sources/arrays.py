@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ...errors import DataError
 from .builtin import ArrayDataset
 
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DataError
-from ..recipe import Recipe
+from ...errors import DataError
+from ...recipe import Recipe
 from .builtin import _mirror, search_roots, unpack_checked, writable_root
 from .download import download, md5sum
 from .folder import IMAGE_EXTENSIONS

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError
+from ...errors import DataError
 from .arrays import load_npz
 from .builtin import ArrayDataset
-from .resident import resize
+from ..pipeline.resident import resize
 from .skipped import LISTED
 from .folder import ImageList
 
@@ -94,7 +94,7 @@ def cache_key(train: ImageList, val: ImageList, size: int, channels: int, decode
 
 def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
     """uint8 images (N, C, H, W) resized to ``size`` x ``size`` (the resident path's
-    antialiased bilinear :func:`~speedrun.data.resident.resize`, rounded to uint8), a chunk at
+    antialiased bilinear :func:`~speedrun.data.pipeline.resident.resize`, rounded to uint8), a chunk at
     a time so that no float copy of the whole set is made."""
     out = torch.empty(images.shape[0], images.shape[1], size, size, dtype=torch.uint8)
     for i in range(0, images.shape[0], chunk):
@@ -107,7 +107,7 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
     """The folder decoded at ``size`` (made now if it is not cached), as an array dataset
     trained at ``train_size`` and evaluated at ``eval_size`` (the evaluation images are
     resized to it here where the cache is larger); and a description for the run's record."""
-    from .prepare import prepare
+    from ..prepare import prepare
     root = cache_root(data.cache_dir)
     key = cache_key(train, val, size, channels, data.decoder, data.skip_corrupt)
     path = root / f"folder-{key}.npz"

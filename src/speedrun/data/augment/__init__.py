@@ -1,0 +1,1 @@
+"""Batched augmentation on the device: crops, flips, colour changes and mixing images."""

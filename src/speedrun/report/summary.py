@@ -1,0 +1,107 @@
+"""A run's summary.json and preprocessing.json: what the run was, what it reached, how long
+each part took, on what, and how its evaluation turned an image into the model's input. The
+record writer (:mod:`speedrun.report.record`) writes them; ``speedrun train`` gathers them
+from the finished run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..data.sources.skipped import listed
+from ..engine import flops
+from ..engine.plan import newton_schulz_dtype
+from ..engine.records import RunResult
+from ..engine.runtime import device_name
+from ..models import weight_grad
+from ..recipe import Recipe
+
+TRAIN_SECONDS_REGION = ("first touch of the training data on the device (channel statistics, whitening) to the "
+                        "final TTA accuracy, the device synchronised at both ends; excludes the move of an "
+                        "in-memory data set to the device (made just before, as a loader that holds it there "
+                        "would), the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
+                        "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
+
+
+def flop_figures(result: RunResult, session) -> dict:
+    """The run's FLOPs (training steps at their sizes, the final evaluation) and how close to
+    the device's peak they ran. ``session``: the run's :class:`~speedrun.engine.loop.Session`."""
+    rt = session.runtime
+    total = flops.flops_of_run(session.recipe, session.source, result.steps, session.step.frozen_from)
+    eff = flops.efficiency(total["total_flops"], result.train_seconds, rt.device.type,
+                           device_name(rt.device), rt.precision)
+    return {**total, **eff}
+
+
+def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: float) -> dict:
+    """summary.json of a finished run: ``env`` is the environment (device, versions, commit),
+    ``wall`` the process's seconds so far."""
+    world, d = session.world, recipe.distributed
+    parallel = {**world.describe(), "per_rank_batch": session.local_batch}
+    if world.distributed:
+        parallel.update(backend=torch.distributed.get_backend(), bucket_mb=d.bucket_mb, compression=d.compression,
+                        norm_sync_ranks=recipe.model.norm.sync_ranks)
+    return {
+        "recipe": recipe.name,
+        "recipe_hash": recipe.digest(),
+        "dataset": recipe.data.dataset,
+        "data_path": data_path(recipe, session.source),
+        "target": recipe.target,
+        "test_acc": result.test_acc,
+        "test_acc_no_tta": result.test_acc_no_tta,
+        "test_images": result.test_images,
+        "tta": recipe.eval.tta,
+        "epochs": result.epochs,
+        "steps": result.steps,
+        "batch_size": recipe.data.batch_size,
+        "pass_images": result.pass_images,
+        "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
+        "conv_weight_grad_choices": weight_grad.choices(),
+        "train_seconds": result.train_seconds,
+        "train_seconds_region": TRAIN_SECONDS_REGION,
+        "final_eval_seconds": result.final_eval_seconds,
+        "compile_seconds": session.compile_seconds,
+        "monitor_seconds": result.monitor_seconds,
+        "bookkeeping_seconds": result.bookkeeping_seconds,
+        "recompiles": result.recompiles,
+        "wall_seconds": wall,
+        "seed": result.seed,
+        **skipped_images(result, session.source),
+        "resumed_from_step": result.resumed_from_step,
+        "data_choices": list(getattr(session.source, "choices", None) or []),
+        "data_cache": getattr(session.source, "cache", None),
+        **flop_figures(result, session),
+        **parallel,
+        **session.runtime.describe(),
+        **env,
+    }
+
+
+def skipped_images(result: RunResult, source) -> dict:
+    """The unreadable images the run left out (data.skip_corrupt): how many, and the first of
+    them by name with why, from the decoded cache and from the streamed batches."""
+    cache = getattr(source, "cache", None) or {}
+    count = result.skipped_images + (cache.get("skipped_images") or 0)
+    files = {**(getattr(source, "skipped_files", None) or {}), **result.skipped_files}
+    return {"skipped_images": count, **listed(files, count)}
+
+
+def data_path(recipe: Recipe, source) -> str | None:
+    """Where the run read its data, as an absolute path (evaluate and export look there): the
+    image folder or .npz file, or the folder holding a built-in set's files."""
+    where = recipe.data.path if recipe.data.dataset in ("folder", "npz") else getattr(source, "source", None)
+    return str(Path(where).expanduser().resolve()) if where else None
+
+
+def preprocessing_of(recipe: Recipe, session, result: RunResult) -> dict:
+    """How the run's evaluation turned an image into the model's input, for predict, evaluate
+    and export: decode to ``channels``; for a folder run, resize the shorter side to
+    ``image_size / eval_crop`` and take the centre ``image_size`` square (arrays are stored at
+    ``image_size``); then (pixel - mean) / std per channel, in 0..255 units."""
+    ds, d = session.source, recipe.data
+    folder = d.dataset == "folder"
+    return {"dataset": d.dataset, "channels": ds.in_channels, "image_size": list(ds.eval_size),
+            "resize": "shorter_side_then_centre_crop" if folder else "to_image_size",
+            "eval_crop": d.eval_crop if folder else 1.0, "decoder": d.decoder,
+            "mean": result.normalisation[0], "std": result.normalisation[1], "pixel_range": [0, 255],
+            "classes": list(ds.classes), "tta": recipe.eval.tta, "layout": "NCHW"}
