@@ -111,7 +111,7 @@ FIELDS: list[Entry] = [
     Entry("imagenette", "imagenette_tiny", tuple(IMAGENETTE + ["data.dataset=imagenette", "data.imagenette_size=320",
                                                                "data.cache=on"])),
     Entry("folder", "imagenet224", ("model={name='resnet', depth=18, stem='imagenet', variant='d', width=16, "
-                                    "zero_gamma=true}", "data.image_size=32", "data.eval_size=40", "train.epochs=4",
+                                    "zero_gamma=true, antialias='all'}", "data.image_size=32", "data.eval_size=40", "train.epochs=4",
                                     "data.workers=1", "eval.batch_size=128", "data.batch_size=32", "optim.lr=4.0",
                                     "data.cache_dir={tmp}/cache", "data.cache_size=64",
                                     "augment.rrc_antialias=true")),

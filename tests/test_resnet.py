@@ -163,3 +163,46 @@ def test_block_kinds_follow_depth_and_preact():
     assert isinstance(on_meta(ResNetConfig(depth=101)).stages[0][0], Bottleneck)
     preact = on_meta(ResNetConfig(depth=34, preact=True)).stages[0][0]
     assert type(preact).__name__ == "PreActBlock"
+
+
+# ------------------------------------------------------------------------------------------
+# Anti-aliased down-sampling (model.antialias)
+# ------------------------------------------------------------------------------------------
+
+def test_blur_is_a_normalised_binomial_low_pass_then_subsampling():
+    from speedrun.models.resnet import Blur
+    flat = torch.full((1, 2, 8, 8), 3.0)
+    assert torch.allclose(Blur(stride=2)(flat), torch.full((1, 2, 4, 4), 3.0))      # keeps a constant
+    # the highest frequency (a checkerboard) is removed inside, where reflection does not reach
+    board = (torch.arange(8)[:, None] + torch.arange(8)[None, :]) % 2 * 2.0 - 1
+    out = Blur()(board.expand(1, 1, 8, 8))
+    assert out[..., 1:-1, 1:-1].abs().max() < 1e-6
+    # a plain stride-2 subsampling keeps the checkerboard whole: it aliases to a constant
+    assert board[::2, ::2].abs().min() == 1
+    assert not any(True for _ in Blur().parameters()) and "kernel" not in Blur().state_dict()
+
+
+@pytest.mark.parametrize("antialias", ["stem", "all"])
+@pytest.mark.parametrize("depth,variant", [(18, "d"), (50, "b"), (18, "a")])
+def test_antialiased_resnets_keep_shapes_parameters_and_initial_weights(antialias, depth, variant):
+    """The blur adds no parameter and leaves the output shape, and the weights drawn from a seed
+    are the same numbers as without it (only the names of the blurred convs move)."""
+    plain_cfg = ResNetConfig(depth=depth, variant=variant, stem="imagenet", width=16)
+    blurred_cfg = ResNetConfig(depth=depth, variant=variant, stem="imagenet", width=16, antialias=antialias)
+    torch.manual_seed(0)
+    plain = build_model(plain_cfg, 3, 10)
+    torch.manual_seed(0)
+    blurred = build_model(blurred_cfg, 3, 10)
+    assert n_params(plain) == n_params(blurred)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), blurred.parameters()))
+    x = torch.randn(2, 3, 64, 64)
+    assert blurred(x).shape == plain(x).shape == (2, 10)
+    n_blurs = sum(type(m).__name__ == "Blur" for m in blurred.modules())
+    strided = sum(isinstance(m, nn.Conv2d) and m.stride == (2, 2) for m in plain.modules())
+    assert n_blurs == (1 if antialias == "stem" else 1 + strided)
+
+
+def test_antialiasing_is_refused_for_the_cifar_stem():
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="antialias"):
+        ResNetConfig(stem="cifar", antialias="stem")

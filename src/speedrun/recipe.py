@@ -204,11 +204,18 @@ class ResNetConfig(Section):
     width: int = Field(64, ge=8, description="channels of the first stage (doubled per stage, multiples of 8)")
     zero_gamma: bool = Field(False, description="zero-initialise the last BN scale of each residual block "
                              "(needs preact = false and a learned BN scale)")
+    antialias: Literal["none", "stem", "all"] = Field(
+        "none", description="low-pass (binomial 3x3) before down-sampling, after Zhang (2019): stem = the stem's "
+        "max-pool becomes a stride-1 max-pool then a blur with stride 2 (MaxBlurPool); all = also a blur "
+        "before each strided convolution of the blocks (needs stem = imagenet)")
     init: Literal["kaiming", "xavier"] = "kaiming"
     norm: NormConfig = NormConfig()
 
     @model_validator(mode="after")
     def _check(self):
+        if self.antialias != "none" and self.stem != "imagenet":
+            raise ValueError(f"model.antialias={self.antialias!r} blurs the down-sampling of the imagenet stem and "
+                             "the stages after it; with stem = 'cifar' use antialias = 'none'")
         if self.preact and self.depth > 34:
             raise ValueError("model.preact is for basic-block ResNets (depth 18 or 34)")
         if self.preact and self.variant != "a":

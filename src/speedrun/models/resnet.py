@@ -3,7 +3,8 @@
 Built from the recipe's [model] section, with the tweaks the speed-run recipes use: a 3x3 stem
 for small images, the "Bag of Tricks" variants B-D (He et al., 2019), pre-activation blocks
 (He et al., 2016, "Identity mappings in deep residual networks"), zero-gamma initialisation
-(Goyal et al., 2017) and channel counts rounded up to multiples of 8 for tensor cores.
+(Goyal et al., 2017), anti-aliased down-sampling (Zhang, 2019: a binomial low-pass before each
+subsampling) and channel counts rounded up to multiples of 8 for tensor cores.
 """
 from __future__ import annotations
 
@@ -30,8 +31,43 @@ def conv(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Conv2d:
     return weight_grad.Conv2d(c_in, c_out, kernel, stride, padding=kernel // 2, bias=False)
 
 
+class Blur(nn.Module):
+    """A fixed 3x3 binomial low-pass ([1, 2, 1] / 4 in each direction), per channel, with
+    reflected borders, then subsampled by ``stride``: the anti-aliasing filter of Zhang (2019),
+    "Making convolutional networks shift-invariant again". It has no parameters (its kernel is
+    a buffer left out of the state dict), so a model's weights are the same with or without it."""
+
+    def __init__(self, stride: int = 1):
+        super().__init__()
+        taps = torch.tensor([1.0, 2.0, 1.0])
+        self.register_buffer("kernel", (torch.outer(taps, taps) / 16)[None, None], persistent=False)
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = x.shape[1]
+        weight = self.kernel.to(x.dtype).expand(c, 1, 3, 3)
+        return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), weight, stride=self.stride, groups=c)
+
+
+def strided_conv(c_in: int, c_out: int, kernel: int, stride: int, cfg: ResNetConfig) -> nn.Module:
+    """:func:`conv`; with ``model.antialias = "all"`` and stride > 1, the input blurred first (at
+    its own resolution) so that the subsampling does not alias."""
+    if stride > 1 and cfg.antialias == "all":
+        return nn.Sequential(Blur(), conv(c_in, c_out, kernel, stride))
+    return conv(c_in, c_out, kernel, stride)
+
+
 def conv_bn_relu(c_in: int, c_out: int, kernel: int, stride: int, cfg: ResNetConfig) -> list[nn.Module]:
-    return [conv(c_in, c_out, kernel, stride), BatchNorm(c_out, cfg.norm), nn.ReLU()]
+    return [strided_conv(c_in, c_out, kernel, stride, cfg), BatchNorm(c_out, cfg.norm), nn.ReLU()]
+
+
+def stem_pool(cfg: ResNetConfig) -> nn.Module:
+    """The stem's 3x3/2 max-pool, or with anti-aliasing a 3x3/1 max-pool then a blur with
+    stride 2 (MaxBlurPool): the same output size, the maximum taken densely and low-passed
+    before it is subsampled."""
+    if cfg.antialias == "none":
+        return nn.MaxPool2d(3, 2, padding=1)
+    return nn.Sequential(nn.MaxPool2d(3, 1, padding=1), Blur(stride=2))
 
 
 def make_stem(cfg: ResNetConfig, in_channels: int, width: int) -> nn.Sequential:
@@ -48,7 +84,7 @@ def make_stem(cfg: ResNetConfig, in_channels: int, width: int) -> nn.Sequential:
                   *conv_bn_relu(half, width, 3, 1, cfg)]
     else:
         layers = conv_bn_relu(in_channels, width, 7, 2, cfg)
-    return nn.Sequential(*layers, nn.MaxPool2d(3, 2, padding=1))
+    return nn.Sequential(*layers, stem_pool(cfg))
 
 
 def make_shortcut(c_in: int, c_out: int, stride: int, cfg: ResNetConfig) -> nn.Module:
@@ -59,7 +95,7 @@ def make_shortcut(c_in: int, c_out: int, stride: int, cfg: ResNetConfig) -> nn.M
     if "D" in TWEAKS[cfg.variant] and stride > 1:
         pool = nn.AvgPool2d(stride, stride, ceil_mode=True, count_include_pad=False)
         return nn.Sequential(pool, conv(c_in, c_out, 1), BatchNorm(c_out, cfg.norm))
-    return nn.Sequential(conv(c_in, c_out, 1, stride), BatchNorm(c_out, cfg.norm))
+    return nn.Sequential(strided_conv(c_in, c_out, 1, stride, cfg), BatchNorm(c_out, cfg.norm))
 
 
 class BasicBlock(nn.Module):
@@ -69,7 +105,7 @@ class BasicBlock(nn.Module):
 
     def __init__(self, c_in: int, width: int, stride: int, cfg: ResNetConfig):
         super().__init__()
-        self.conv1 = conv(c_in, width, 3, stride)
+        self.conv1 = strided_conv(c_in, width, 3, stride, cfg)
         self.bn1 = BatchNorm(width, cfg.norm)
         self.conv2 = conv(width, width, 3)
         self.bn2 = BatchNorm(width, cfg.norm)
@@ -98,7 +134,7 @@ class Bottleneck(nn.Module):
         stride_3x3 = "B" in TWEAKS[cfg.variant]
         self.conv1 = conv(c_in, width, 1, 1 if stride_3x3 else stride)
         self.bn1 = BatchNorm(width, cfg.norm)
-        self.conv2 = conv(width, width, 3, stride if stride_3x3 else 1)
+        self.conv2 = strided_conv(width, width, 3, stride if stride_3x3 else 1, cfg)
         self.bn2 = BatchNorm(width, cfg.norm)
         self.conv3 = conv(width, c_out, 1)
         self.bn3 = BatchNorm(c_out, cfg.norm)
@@ -124,7 +160,7 @@ class PreActBlock(nn.Module):
     def __init__(self, c_in: int, width: int, stride: int, cfg: ResNetConfig):
         super().__init__()
         self.bn1 = BatchNorm(c_in, cfg.norm)
-        self.conv1 = conv(c_in, width, 3, stride)
+        self.conv1 = strided_conv(c_in, width, 3, stride, cfg)
         self.bn2 = BatchNorm(width, cfg.norm)
         self.conv2 = conv(width, width, 3)
         self.projection = conv(c_in, width, 1, stride) if stride != 1 or c_in != width else None
