@@ -1,6 +1,6 @@
 """Where the training step's parts live, read from the source with ``ast`` (nothing is run):
-the step in one file that runs the only training backward pass, its loss and its precision
-in a module each, a loop that builds, trains and resumes and reaches into no private part
+its loss and its precision in a module each (that the step is the one caller of backward is
+tests/test_step_structure.py's), a loop that builds, trains and resumes and reaches into no private part
 of the step, and one step counter on each side of the device."""
 import ast
 from pathlib import Path
@@ -18,18 +18,6 @@ def classes(module: ast.Module) -> dict[str, ast.ClassDef]:
 
 def methods(cls: ast.ClassDef) -> set[str]:
     return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-
-
-def calls_of(module: ast.Module, attr: str) -> int:
-    return sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
-               for n in ast.walk(module))
-
-
-def test_the_step_is_the_only_engine_module_that_trains_backwards():
-    """``.backward()`` on a loss: in engine/step.py, and in flops.py's counting pass on the meta
-    device (which trains nothing)."""
-    found = {p.name for p in ENGINE.glob("*.py") if calls_of(tree(p.name), "backward")}
-    assert found == {"step.py", "flops.py"}, found
 
 
 def test_the_loss_and_the_precision_have_their_own_modules():

@@ -117,11 +117,11 @@ def real_batches(session, seed: int = 0):
     batch then comes at full size), else None. The caller drives the step as the run does:
     ``session.step(x, y, size)``."""
     from ..data.augment.batch import BatchAugment
-    from ..data.pipeline.dataset import open_pipeline
+    from ..data.pipeline.dataset import open_pipeline, place_source
     from ..engine.sizes import epoch_image_side, resized_in_step
     rt, recipe = session.runtime, session.recipe
     session.reset(seed)
-    data = open_pipeline(session.source, recipe, rt, seed, session.shard)
+    data = open_pipeline(place_source(session.source, rt), recipe, rt, seed, session.shard)
     whiten = getattr(session.model, "whiten", None)
     if whiten is not None:
         whiten.fit(data.whitening_sample(recipe.model.whiten.samples))
@@ -129,7 +129,7 @@ def real_batches(session, seed: int = 0):
     gen = torch.Generator(device=rt.device)
     gen.manual_seed(seed)
     augment = BatchAugment(recipe.augment, data.n_train, data.image_size, gen, rt.device, data.mean, data.std,
-                           resized_crop=not data.crops_in_workers)
+                           resized_crop=not data.crops_in_workers, input_size=getattr(data, "stored_size", None))
     session.model.train()
     in_step = resized_in_step(recipe)
 
