@@ -19,7 +19,7 @@ FOLDER = ["model.widths=[16,32,32]", "data.batch_size=64", "eval.batch_size=256"
 PHOTO = ["model.width=16", "eval.batch_size=128", "data.workers=1", "data.image_size=32", "eval.every=0"]
 IMAGENET = PHOTO + ["data.batch_size=32", "train.epochs=4", "schedule.warmup_epochs=0.5", "optim.lr=3.0"]
 LARS = PHOTO + ["data.per_device_batch=32", "train.epochs=4", "schedule.warmup_epochs=0.5"]
-RESNET18_FAST = PHOTO + ["data.batch_size=32", "train.epochs=4", "optim.lr=4.0"]
+RESNET18_FAST = PHOTO + ["data.batch_size=32", "train.epochs=4", "optim.lr=4.0", "model.antialias=stem"]
 TINY = ["model.width=8", "data.batch_size=32", "eval.batch_size=128", "train.epochs=3", "data.workers=1",
         "schedule.warmup_epochs=0.3", "data.image_size=32", "optim.lr=4.0"]
 NPZ = ["data.dataset=npz"]
