@@ -36,6 +36,11 @@ class BuiltModel:
     forward: Callable
 
 
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's weights and buffers (to put back after steps that must not train)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def fresh_model(recipe: Recipe, source, seed: int) -> nn.Module:
     """The recipe's model for the data of ``source``, initialised from ``seed`` (on the CPU)."""
     torch.manual_seed(seed)

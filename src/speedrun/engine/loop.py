@@ -30,7 +30,7 @@ from ..errors import DataError, RecipeError
 from ..recipe import Recipe, steps_per_epoch, total_steps
 from . import checkpoint as ckpt
 from . import distributed
-from .build import build_for_run, fresh_model, teacher_for, train_step_for
+from .build import build_for_run, fresh_model, snapshot, teacher_for, train_step_for
 from .distributed import World
 from .evaluate import evaluate
 from .precision import NonFiniteLoss, first_bad_step
@@ -54,16 +54,12 @@ class NullProgress:
     def epoch(self, record: EpochRecord) -> None: ...
 
 
-def _snapshot(model: torch.nn.Module) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 class LastGood:
     """The weights after the last epoch whose losses were all finite, in buffers allocated
     once and refreshed with one foreach copy (the clock is paused around it)."""
 
     def __init__(self, model: torch.nn.Module, step: int):
-        self.state = _snapshot(model)
+        self.state = snapshot(model)
         self.step = step
 
     def take(self, model: torch.nn.Module, step: int) -> None:
@@ -260,7 +256,7 @@ class Session:
                          monitor_seconds=clock.paused["monitor"],
                          bookkeeping_seconds=clock.paused["bookkeeping"],
                          recompiles=compiled_graphs() - graphs_before if rt.compile else 0,
-                         history=st.history, state_dict=_snapshot(model), skipped_images=data.skipped,
+                         history=st.history, state_dict=snapshot(model), skipped_images=data.skipped,
                          skipped_files=dict(data.skipped_files),
                          resumed_from_step=resume["step"] if resume else None,
                          normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test),

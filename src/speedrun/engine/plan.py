@@ -22,7 +22,7 @@ from ..data.pipeline.dataset import open_source
 from ..optim.orthogonal import ns_dtype
 from ..recipe import Recipe, total_steps
 from .batch_finder import fit_batch as fit_batch_to
-from .build import build_for_run, teacher_for, train_step_for
+from .build import build_for_run, snapshot, teacher_for, train_step_for
 from .distributed import World
 from .runtime import Runtime, resolve_runtime
 
@@ -44,7 +44,7 @@ def fit_batch_to_device(recipe: Recipe, source, runtime: Runtime, say=print) -> 
         batch = candidate.data.batch_size
         x = torch.randn(batch, source.in_channels, *source.image_size, device=runtime.device, dtype=runtime.dtype)
         y = torch.randint(0, source.num_classes, (batch,), device=runtime.device)
-        saved = {k: v.detach().clone() for k, v in built.model.state_dict().items()}
+        saved = snapshot(built.model)
         try:
             step(x.contiguous(memory_format=runtime.memory_format), y)
             runtime.synchronize()

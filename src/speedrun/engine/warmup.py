@@ -19,6 +19,7 @@ import torch
 from ..data.augment.batch import BatchAugment, reflect_pad
 from ..data.pipeline.resident import resize
 from ..data.pipeline.shard import Shard
+from .build import snapshot
 from .evaluate import evaluate
 from .sizes import resized_in_step
 
@@ -36,7 +37,7 @@ def warm_up(session) -> float:
     """Run the warm-up for ``session``; returns its seconds (the run's ``compile_seconds``)."""
     rt, r, src, model = session.runtime, session.recipe, session.source, session.model
     t0 = time.perf_counter()
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = snapshot(model)
     c, full, classes = src.in_channels, src.image_size[0], src.num_classes
     gen = torch.Generator(device=rt.device)
     gen.manual_seed(0)
