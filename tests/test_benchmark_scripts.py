@@ -393,3 +393,36 @@ def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fas
     assert proc.returncode == 1, proc.stderr[-2000:]
     s2 = json.loads(out2.read_text())["settings"][0]
     assert not s2["identical"] and s2["differing_tensors"]
+
+
+def test_accuracy_sweep_runs_variants_over_seeds_side_by_side_and_tests_each_mean(tmp_path, fashion_small):
+    tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=2", "--set", "data.batch_size=128",
+            "--set", "runtime.compile=off", "--set", "eval.tta=none", "--device", "cpu"]
+    out, runs = tmp_path / "sweep.json", tmp_path / "runs"
+    script("accuracy_sweep.py", "--variant", "base=fashion-mnist", "--variant",
+           "nols=fashion-mnist@train.label_smoothing=0.0", "--seeds", "2", "--seeds-of", "nols=1", "--jobs", "2",
+           "--target", "0.3", "--data-dir", fashion_small, "--runs-dir", runs, "--out", out, *tiny)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert [(r["variant"], r["seed"], r["status"]) for r in record["runs"]] == [
+        ("base", 0, "done"), ("base", 1, "done"), ("nols", 0, "done")]
+    base, nols = record["summary"]["base"], record["summary"]["nols"]
+    assert base["n"] == 2 and nols["n"] == 1 and base["mean"] > 0.3               # learned (chance: 0.1)
+    assert base["p_value_mean_at_least_target"] < 1 and "against_first" not in nols   # (one run: no test)
+    assert {r["summary"]["seed"] for r in record["runs"]} == {0, 1}
+    assert (runs / "nols-seed0" / "summary.json").is_file() and (runs / "base-seed1.log").is_file()
+    # a budget spent before the runs end: the running jobs are cut, the rest never start, exit 1
+    cut = tmp_path / "cut.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accuracy_sweep.py"), "--variant",
+                           "base=fashion-mnist", "--seeds", "3", "--jobs", "1", "--budget", "1", "--data-dir",
+                           str(fashion_small), "--out", str(cut), *tiny], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(cut.read_text())["summary"]["base"]
+    assert summary["runs_not_done"] == 1 and summary["runs_not_started"] == 2 and summary["n"] == 0
+    # a bad variant or a bad recipe value is refused in one line before anything runs or is written
+    for bad, says in ((["--variant", "base"], "NAME=RECIPE"), (["--variant", "a=fashion-mnist@optim.lr=-1"], "optim.lr")):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "accuracy_sweep.py"), *bad, "--out",
+                               str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "bad.json").exists()
