@@ -5,7 +5,7 @@ host launches kernels one at a time), so several training processes side by side
 seeds through in the time of a few. Each run is `speedrun train RECIPE --seed S --set ...` in
 its own process, as a user runs it; the record keeps every run's test accuracy and summary,
 and per variant the mean, a 95% interval, the one-sided p-value of "mean above the target"
-and Welch's test against the first variant. Times in it are of processes that shared the
+and Welch's test against the first variant of the same recipe. Times in it are of processes that shared the
 device and the cores with each other: they say how long the sweep took, not how fast a run is
 (benchmarks/train_cli.py times runs alone).
 
@@ -55,6 +55,24 @@ def job_order(variants: list[dict]) -> list[tuple[dict, int]]:
     return [(v, v["first_seed"] + i) for i in range(most) for v in variants if i < v["seeds"]]
 
 
+def summarize(variants: list[dict], runs: list[dict]) -> dict:
+    """Per variant: the accuracies' mean, sd and 95% interval, the one-sided p-value of "mean
+    above the target", how many runs did not finish or never started, and Welch's test against
+    the first variant of the same recipe (``against``), where both have two runs or more."""
+    summary, firsts = {}, {}
+    for v in variants:
+        accs = [r["test_acc"] for r in runs if r["variant"] == v["name"] and "test_acc" in r]
+        row = {**describe(accs), "target": v["target"], "p_value_mean_at_least_target": p_mean_at_least(accs, v["target"]),
+               "runs_done": len(accs),
+               "runs_not_done": sum(1 for r in runs if r["variant"] == v["name"] and "test_acc" not in r),
+               "runs_not_started": v["seeds"] - sum(1 for r in runs if r["variant"] == v["name"])}
+        first = firsts.setdefault(v["recipe"], (v["name"], accs))
+        if first[0] != v["name"] and len(accs) >= 2 and len(first[1]) >= 2:
+            row["against"] = {"variant": first[0], **welch(first[1], accs)}
+        summary[v["name"]] = row
+    return summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", required=True, metavar="NAME=RECIPE[@KEY=VALUE...]")
@@ -101,6 +119,8 @@ def main() -> int:
 
     commit, commit_source = read_commit(args.commit)      # read before any run
     environ = {**environment(), "git_commit": commit, "commit_from": commit_source}
+    if commit_source != "git rev-parse HEAD":
+        environ["git_dirty"] = None             # (the tree that ran is the named commit's; no git to ask)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     tmp = None
@@ -165,19 +185,7 @@ def main() -> int:
             running.append((proc, log, folder, variant, seed, time.monotonic()))
         time.sleep(0.5)
 
-    summary = {}
-    first = None
-    for v in variants:
-        accs = [r["test_acc"] for r in runs if r["variant"] == v["name"] and "test_acc" in r]
-        row = {**describe(accs), "target": v["target"], "p_value_mean_at_least_target": p_mean_at_least(accs, v["target"]),
-               "runs_done": len(accs),
-               "runs_not_done": sum(1 for r in runs if r["variant"] == v["name"] and "test_acc" not in r),
-               "runs_not_started": v["seeds"] - sum(1 for r in runs if r["variant"] == v["name"])}
-        if first is None:
-            first = (v["name"], accs)
-        elif len(accs) >= 2 and len(first[1]) >= 2:
-            row["against_first"] = {"first": first[0], **welch(first[1], accs)}
-        summary[v["name"]] = row
+    summary = summarize(variants, runs)
     record = {
         "benchmark": "accuracy of recipe variants over seeds, several training processes at a time",
         "timed": "nothing comparable: the processes shared the device and the cores; process_wall_seconds says how "

@@ -419,6 +419,10 @@ TABLES = [
     ("fashion_ablate", "fashion", "`speedrun ablate`",
      ["record", *WHERE, "runs per variant", "recipe's accuracy", "the largest losses without a trick"]),
     ("imagenette_runs", "imagenette", "Whole processes", RUN_HEAD),
+    ("imagenette_sweep", "imagenette", "Variants over seeds (`benchmarks/accuracy_sweep.py`: processes side by side, "
+     "so no times)",
+     ["record", "variant", *WHERE, "runs", "accuracy: mean ± sd (min–max)", "p (mean > target)",
+      "against the first variant of its recipe: points (Welch p)"]),
     ("imagenette_tuning", "imagenette", "Tuning runs",
      ["record", *WHERE, "run", "accuracy", "train_seconds", "overrides"]),
     ("photo_input", "photo", "Decode once against stream (`benchmarks/photo_input.py`)",
@@ -452,6 +456,9 @@ TABLES = [
                                   "runs), seconds")]),
     ("other_runs", "other_runs", "Whole processes", RUN_HEAD),
     ("other_summary", "other_runs", "Single runs kept whole (run folders)", SUMMARY_HEAD),
+    ("other_sweep", "other_runs", "Variants over seeds (`benchmarks/accuracy_sweep.py`)",
+     ["record", "variant", *WHERE, "runs", "accuracy: mean ± sd (min–max)", "p (mean > target)",
+      "against the first variant of its recipe: points (Welch p)"]),
     ("other", "other", "Not read", ["record", *WHERE, "what the record says it is", "why not read"]),
 ]
 
@@ -646,6 +653,23 @@ def peers_rows(rec: Record, d: dict):
         ratios = " / ".join(parts)
     return [("peers", [rec.name_cell(), *where(rec), f"{epochs:g} × {rounds}" if is_num(epochs) else DASH, peer_cell("plain"),
                        peer_cell("lightning"), peer_cell("speedrun"), ratios])]
+
+
+def sweep_rows(rec: Record, d: dict):
+    """`benchmarks/accuracy_sweep.py`: a row per variant (recipe and its settings)."""
+    rows = []
+    for v in d["variants"]:
+        row = d["summary"][v["name"]]
+        accs = [r["test_acc"] for r in d["runs"] if r["variant"] == v["name"] and "test_acc" in r]
+        commit = str((d.get("environment") or {}).get("git_commit") or "")[:7]
+        label = f"{v['name']}: `{v['recipe']}`" + (f" {', '.join(v['sets'])}" if v["sets"] else f" as at {commit or '?'}")
+        first = row.get("against")
+        vs = (f"{100 * first['diff']:+.2f} against {first['variant']} (p {num(first['p'])})" if first else DASH)
+        table = "imagenette_sweep" if "imagenette" in v["recipe"] else "other_sweep"
+        rows.append((table, [rec.name_cell(), cell(label), *where(rec), count(len(accs)),
+                             mean_sd(accs, pct),
+                             f"{num(row['p_value_mean_at_least_target'])} (target {pct(row['target'])})", cell(vs)]))
+    return rows
 
 
 def ablate_rows(rec: Record, d: dict):
@@ -973,6 +997,7 @@ def reader_for(d):
         (d.get("mode") == "synthetic" and has(d, "variants"), gpu_synthetic_rows),
         (has(d, "regions", "runs", "summary"), bench_rows),
         (has(d, "variants", "runs_per_variant"), ablate_rows),
+        (has(d, "variants", "runs", "summary") and "accuracy_sweep" in str(d.get("command", "")), sweep_rows),
         (has(d, "verdict", "a", "b"), compare_rows),
         (has(d, "script", "mean_tta_acc", "runs"), peer_script_rows),
         (has(d, "by_kind", "kernels"), kernel_profile_rows),

@@ -127,3 +127,20 @@ def test_results_page_reads_the_throughput_records_into_their_tables(tmp_path):
     assert "`imagenet-throughput-resnet50.json`" in resnet and "6,576" in resnet and "pipeline" in resnet
     photo = page.split("## Photo input pipelines", 1)[1].split("\n## ", 1)[0]
     assert "`photo-throughput-imagenette.json`" in photo and "3,331" in photo and "model" in photo
+
+
+def test_results_page_reads_the_accuracy_sweeps_a_row_per_variant(tmp_path):
+    import shutil
+    src = ROOT / "benchmarks" / "results" / "gpu-h200-2026-11-27-e9be504"
+    shutil.copy(src / "imagenette-sweep-1-antialias-eval-size-batch.json", tmp_path / "sweep.json")
+    page = _results_page().render(tmp_path)
+    assert "## Other records" not in page
+    table = page.split("## Imagenette", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `sweep.json`")]
+    assert len(rows) == 8                                   # one per variant
+    base = next(r for r in rows if "base: `imagenette` as at e9be504" in r)
+    assert "86.22%" in base and "NVIDIA H200" in base
+    stem = next(r for r in rows if "stem: `imagenette` model.antialias=stem" in r)
+    assert "+0.22 against base" in stem                     # Welch against the first variant of its recipe
+    base20 = next(r for r in rows if r.startswith("| `sweep.json` | base20"))
+    assert "against stem20" in base20 and "91.71%" in base20
