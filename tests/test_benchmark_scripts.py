@@ -29,10 +29,11 @@ def check_environment(record: dict) -> None:
         assert env["git_commit"] == head_commit()
 
 
-def test_train_cli_times_whole_processes_and_keeps_each_runs_folder(tmp_path, data_dir):
+def test_train_cli_times_whole_processes_and_keeps_each_runs_folder(tmp_path, fashion_small):
     out, keep = tmp_path / "train.json", tmp_path / "kept"
-    script("train_cli.py", "fashion-mnist", "--runs", "2", "--data-dir", data_dir, "--out", out,
-           "--keep-runs", keep, "--", "--set", "train.epochs=0.25", "--device", "cpu")
+    script("train_cli.py", "fashion-mnist", "--runs", "2", "--data-dir", fashion_small, "--out", out,
+           "--keep-runs", keep, "--", "--set", "data.dataset=npz", "--set", "train.epochs=3",
+           "--set", "data.batch_size=128", "--set", "eval.tta=none", "--device", "cpu")
     record = json.loads(out.read_text())
     check_environment(record)
     runs = record["runs"]
@@ -396,7 +397,7 @@ def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fas
 
 
 def test_accuracy_sweep_runs_variants_over_seeds_side_by_side_and_tests_each_mean(tmp_path, fashion_small):
-    tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=2", "--set", "data.batch_size=128",
+    tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=1", "--set", "data.batch_size=128",
             "--set", "runtime.compile=off", "--set", "eval.tta=none", "--device", "cpu"]
     out, runs = tmp_path / "sweep.json", tmp_path / "runs"
     script("accuracy_sweep.py", "--variant", "base=fashion-mnist", "--variant",
