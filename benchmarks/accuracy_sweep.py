@@ -63,7 +63,6 @@ def summarize(variants: list[dict], runs: list[dict]) -> dict:
     for v in variants:
         accs = [r["test_acc"] for r in runs if r["variant"] == v["name"] and "test_acc" in r]
         row = {**describe(accs), "target": v["target"], "p_value_mean_at_least_target": p_mean_at_least(accs, v["target"]),
-               "runs_done": len(accs),
                "runs_not_done": sum(1 for r in runs if r["variant"] == v["name"] and "test_acc" not in r),
                "runs_not_started": v["seeds"] - sum(1 for r in runs if r["variant"] == v["name"])}
         first = firsts.setdefault(v["recipe"], (v["name"], accs))
