@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from speedrun.cli import main
 from speedrun.models import build_model
 from speedrun.recipe import recipe_from_dict
 from speedrun.use import export as export_module
@@ -220,10 +221,12 @@ def test_without_the_runs_data_the_check_uses_random_images_and_says_so(run_copy
     assert done.max_difference <= TOLERANCE and (tmp_path / "m.pt").is_file()
 
 
-def test_the_check_reads_the_data_the_run_was_trained_from_until_it_is_gone(tmp_path, data_dir, isolated_env):
+def test_the_check_reads_the_data_the_run_was_trained_from_until_it_is_gone(tmp_path, data_dir, isolated_env,
+                                                                           monkeypatch):
     """A built-in set trained from --data-dir, with neither $SPEEDRUN_DATA nor ~/.cache/speedrun
-    holding it: the run's summary.json records where it read the data, and the export is checked
-    on the test images there; once that folder is gone, on random images, saying why."""
+    holding it: the run's summary.json records where it read the data; `speedrun evaluate`, run
+    from another directory without --data-dir, evaluates the test images there, and the export
+    is checked on them; once that folder is gone, the export on random images, saying why."""
     copy = tmp_path / "data" / "fashion-mnist"
     copy.mkdir(parents=True)
     for f in (data_dir / "fashion-mnist").iterdir():
@@ -232,6 +235,12 @@ def test_the_check_reads_the_data_the_run_was_trained_from_until_it_is_gone(tmp_
     speedrun("train", "fashion-mnist", "--data-dir", tmp_path / "data", "--set", "model.widths=[8,8,8]",
              "--set", "train.epochs=0.05", "--set", "eval.tta=none", "--device", "cpu", "--out", run)
     assert json.loads((run / "summary.json").read_text())["data_path"] == str(copy)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["evaluate", str(run), "--device", "cpu"]) == 0
+    evaluation = json.loads((run / "evaluation.json").read_text())
+    assert evaluation["data"] == f"{copy}, 10000 test images" and evaluation["matches_record"] is True
+    assert not any((tmp_path / "elsewhere").iterdir())
     done = export_module.export_run(run, "torchscript", out=tmp_path / "a.pt")
     assert done.checked_on == f"256 test images of {copy}" and done.max_difference <= TOLERANCE
     shutil.rmtree(tmp_path / "data")

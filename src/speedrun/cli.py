@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "evaluate")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a finished run")
-    p.add_argument("--data-dir", help="where the run's data is now (else where config.toml says, $SPEEDRUN_DATA, ...)")
+    p.add_argument("--data-dir", help="where the run's data is now (else where the run read it, as its summary.json "
+                   "records; else where config.toml says, $SPEEDRUN_DATA, ...)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
 
     p = _add(sub, "export")

@@ -46,9 +46,14 @@ def _with_data_dir(recipe: Recipe, data_dir) -> Recipe:
 
 
 def open_test_set(loaded: LoadedRun, data_dir=None) -> TestSet:
-    """The pipeline the run evaluated with. A folder's normalisation is the recorded one (the
-    run measured it on a sample of its training images); an array set's is measured again by
-    the pipeline and must agree with the record, or the data is not the run's."""
+    """The pipeline the run evaluated with, on ``data_dir``, else on the data where the run read
+    it (summary.json's absolute ``data_path``, while it is there), else where the recipe and the
+    usual places say. A folder's normalisation is the recorded one (the run measured it on a
+    sample of its training images); an array set's is measured again by the pipeline and must
+    agree with the record, or the data is not the run's."""
+    if data_dir is None:
+        recorded = loaded.data_path()
+        data_dir = recorded if recorded and Path(recorded).exists() else None
     recipe, pre, rt = _with_data_dir(loaded.recipe, data_dir), loaded.preprocessing, loaded.runtime
     seed = recipe.train.seed
     if loaded.streamed:
