@@ -6,7 +6,8 @@ AOTAutograd without code generation (``speedrun.profiling.step_structure.cuda_gr
 graph: inputs, static inputs, mutated inputs, mutated inputs that are not static (inductor
 skips CUDA graphs for a graph with any), and inputs sharing a storage. The rows are
 tests/matrix.py's CUDA_GRAPH_ROWS, which tests/test_step_structure.py checks too. Narrow nets on a
-1,024-image CIFAR-10 slice: the counts do not depend on width or data size.
+1,024-image CIFAR-10 slice, batches of 64 and 64 test images: the counts do not depend on width,
+batch or data size.
 
 Usage: .venv/bin/python benchmarks/cuda_graph_inputs.py --data-dir ../shared/datasets \\
            --out benchmarks/results/cuda-graph-inputs-<commit>.json
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from matrix import CUDA_GRAPH_ROWS  # noqa: E402
+from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, STRUCTURE_TEST_IMAGES  # noqa: E402
 from speedrun.data.sources.builtin import load_dataset  # noqa: E402
 from speedrun.files import atomic_write_json  # noqa: E402
 from speedrun.profiling.step_structure import cuda_graph_inputs  # noqa: E402
@@ -39,13 +40,14 @@ def main() -> int:
     env = environment()
     data = load_dataset("cifar10", args.data_dir)
     data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
-                               test_x=data.test_x[:256], test_y=data.test_y[:256])
+                               test_x=data.test_x[:STRUCTURE_TEST_IMAGES],
+                               test_y=data.test_y[:STRUCTURE_TEST_IMAGES])
     rows = []
     for name, precision, sets in CUDA_GRAPH_ROWS:
         if args.only not in name:
             continue
         t0 = time.perf_counter()
-        recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
+        recipe = load_recipe(name, [*STRUCTURE_BATCHES, *sets])
         probe = cuda_graph_inputs(recipe, data, precision)
         rows.append({"recipe": name, "precision": precision, "overrides": sets, **probe,
                      "mutated_not_static_total": sum(g["mutated_not_static"] for g in probe["graphs"]),

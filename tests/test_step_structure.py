@@ -5,7 +5,9 @@ and fp16 with loss scaling; eager, it has no host sync either. These fail when a
 or a sync creeps back into the step.
 
 Compiled with aot_eager (dynamo's capture and AOTAutograd's joint graph, as inductor gets
-them, without code generation), on narrow nets: the counts do not depend on width."""
+them, without code generation), on narrow nets, batches of 64 and 64 test images: the counts
+do not depend on width or batch size (on a CPU without native bf16 and fp16, half-precision
+convolutions run a slow reference kernel, and these sizes keep the tests short there)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +24,7 @@ from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.profiling.step_structure import cuda_graph_inputs, measure, profiled
 from speedrun.recipe import load_recipe
 
-from matrix import CUDA_GRAPH_ROWS
+from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, STRUCTURE_TEST_IMAGES
 
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
@@ -31,12 +33,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
 @pytest.fixture(scope="module")
 def cifar_slice(cifar10):
     return dataclasses.replace(cifar10, train_x=cifar10.train_x[:1024], train_y=cifar10.train_y[:1024],
-                               test_x=cifar10.test_x[:256], test_y=cifar10.test_y[:256])
+                               test_x=cifar10.test_x[:STRUCTURE_TEST_IMAGES],
+                               test_y=cifar10.test_y[:STRUCTURE_TEST_IMAGES])
 
 
 def _structure(name, data, precision, compiled, monkeypatch, *sets):
     monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager")
-    recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
+    recipe = load_recipe(name, [*STRUCTURE_BATCHES, *sets])
     return measure(recipe, data, Runtime(CPU, precision, compiled, True, "default", "aot_eager"), steps=4)
 
 
@@ -55,7 +58,8 @@ def test_a_compiled_step_is_three_regions_with_no_breaks_few_eager_ops_and_no_sy
     data = fashion if name == "fashion-mnist" else cifar_slice
     if name == "fashion-mnist":
         data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
-                                   test_x=data.test_x[:256], test_y=data.test_y[:256])
+                                   test_x=data.test_x[:STRUCTURE_TEST_IMAGES],
+                                   test_y=data.test_y[:STRUCTURE_TEST_IMAGES])
     s = _structure(name, data, precision, True, monkeypatch, *sets)
     assert s["graph_breaks"] == 0 and s["graph_breaks_during_steps"] == 0 and s["recompiles_during_steps"] == 0, s
     assert s["compiled_regions_per_step"] <= 3, s
@@ -132,7 +136,7 @@ def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, 
     base for such aliases drops the marks: the averaged weights were state_dict()'s detached
     views of the parameters, and the whole update ran without CUDA graphs on an H200). The
     gradients, new tensors every step, are read and never written (fp16 included)."""
-    recipe = load_recipe(name, ["data.batch_size=256", "eval.batch_size=256", *sets])
+    recipe = load_recipe(name, [*STRUCTURE_BATCHES, *sets])
     graphs = cuda_graph_inputs(recipe, cifar_slice, precision)["graphs"]
     update = max(graphs, key=lambda g: g["mutated"])
     assert update["mutated"] > 40 and update["static"] >= update["mutated"], graphs    # the update: seen
