@@ -121,8 +121,10 @@ def test_frozen_whitening_bias_leaves_the_backward_with_the_same_weights(small):
 
 
 def test_bf16_autocast_trains_on_cpu(small):
-    result = Session(_recipe(), small, _runtime(precision="bf16")).run()
-    assert result.test_acc > 0.5
+    # (a quarter of the slice: bf16 is emulated, and slow, on CPUs without it)
+    quarter = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048])
+    result = Session(_recipe("data.batch_size=128"), quarter, _runtime(precision="bf16")).run()
+    assert result.test_acc > 0.4                                        # chance: 10%
 
 
 def test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32(small):
