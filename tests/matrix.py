@@ -157,8 +157,9 @@ FIELDS: list[Entry] = [
 # (tests/test_step_structure.py on the CPU, benchmarks/cuda_graph_inputs.py for the record):
 # (recipe, precision, overrides), narrow nets; every optimizer kind, averaging kind and precision.
 _NARROW = ["model.widths=[16,32,32]"]
-# their batches, and 64 test images: the counts depend on neither (a half-precision convolution
-# on a CPU without native bf16 and fp16 runs a slow reference kernel; small batches keep it short)
+# They run on batches of 64 and 64 test images: the counts depend on neither (a half-precision
+# convolution on a CPU without native bf16 and fp16 runs a slow reference kernel; small batches
+# keep it short there).
 STRUCTURE_BATCHES = ["data.batch_size=64", "eval.batch_size=64"]
 STRUCTURE_TEST_IMAGES = 64
 CUDA_GRAPH_ROWS: list[tuple[str, str, list[str]]] = [
