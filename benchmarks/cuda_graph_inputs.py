@@ -15,7 +15,6 @@ Usage: .venv/bin/python benchmarks/cuda_graph_inputs.py --data-dir ../shared/dat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, STRUCTURE_TEST_IMAGES  # noqa: E402
+from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, structure_slice  # noqa: E402
 from speedrun.data.sources.builtin import load_dataset  # noqa: E402
 from speedrun.files import atomic_write_json  # noqa: E402
 from speedrun.profiling.step_structure import cuda_graph_inputs  # noqa: E402
@@ -38,10 +37,7 @@ def main() -> int:
     p.add_argument("--only", default="", help="the rows whose recipe name contains this text")
     args = p.parse_args()
     env = environment()
-    data = load_dataset("cifar10", args.data_dir)
-    data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
-                               test_x=data.test_x[:STRUCTURE_TEST_IMAGES],
-                               test_y=data.test_y[:STRUCTURE_TEST_IMAGES])
+    data = structure_slice(load_dataset("cifar10", args.data_dir))
     rows = []
     for name, precision, sets in CUDA_GRAPH_ROWS:
         if args.only not in name:

@@ -3,7 +3,7 @@ with which overrides (small widths, few steps). Used by tests/test_recipe_matrix
 CPU and by benchmarks/gpu_smoke.py on a GPU; plain Python, no test framework."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Each entry trains long enough on its small slice to beat chance by three standard errors of
 # its test accuracy (test_recipe_matrix.py checks): a few epochs of a narrow net, and a warm-up
@@ -161,7 +161,6 @@ _NARROW = ["model.widths=[16,32,32]"]
 # convolution on a CPU without native bf16 and fp16 runs a slow reference kernel; small batches
 # keep it short there).
 STRUCTURE_BATCHES = ["data.batch_size=64", "eval.batch_size=64"]
-STRUCTURE_TEST_IMAGES = 64
 CUDA_GRAPH_ROWS: list[tuple[str, str, list[str]]] = [
     ("cifar10-94", "fp32", _NARROW),
     ("cifar10-94", "bf16", _NARROW),
@@ -171,3 +170,10 @@ CUDA_GRAPH_ROWS: list[tuple[str, str, list[str]]] = [
     ("dawnbench-resnet18", "bf16", ["model.width=8", "optim.name=lamb", "optim.lr=0.02"]),
     ("cifar10-94", "bf16", [*_NARROW, "optim.name=lars", "averaging.kind=ema", "averaging.decay=0.9"]),
 ]
+
+
+def structure_slice(ds):
+    """An array data set's first 1,024 training and 64 test images: what the structure checks
+    of CUDA_GRAPH_ROWS and tests/test_step_structure.py run on."""
+    return replace(ds, train_x=ds.train_x[:1024], train_y=ds.train_y[:1024], test_x=ds.test_x[:64],
+                   test_y=ds.test_y[:64])

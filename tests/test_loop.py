@@ -27,6 +27,13 @@ def small(fashion):
                                test_x=fashion.test_x[:2000], test_y=fashion.test_y[:2000])
 
 
+@pytest.fixture(scope="module")
+def quarter(small):
+    """A quarter of the slice's training images, for bf16 runs: bf16 is emulated, and slow, on
+    CPUs without it."""
+    return dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048])
+
+
 def _recipe(*extra):
     return load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=512", "train.epochs=2",
                                          "eval.tta=flip", "eval.tta_fraction=1.0", "eval.every=1", *extra])
@@ -120,21 +127,17 @@ def test_frozen_whitening_bias_leaves_the_backward_with_the_same_weights(small):
     assert a.test_acc == b.test_acc and a.test_acc > 0.5
 
 
-def test_bf16_autocast_trains_on_cpu(small):
-    # (a quarter of the slice: bf16 is emulated, and slow, on CPUs without it)
-    quarter = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048])
+def test_bf16_autocast_trains_on_cpu(quarter):
     result = Session(_recipe("data.batch_size=128"), quarter, _runtime(precision="bf16")).run()
     assert result.test_acc > 0.4                                        # chance: 10%
 
 
-def test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32(small):
+def test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32(quarter):
     """runtime.cast = model: weights, optimizer state and weight average in bf16, batch norm's
     weights and statistics in fp32, no autocast; the run learns and its weights stay so."""
     rt = _runtime(precision="bf16", cast="model")
     assert rt.low_precision_model and isinstance(rt.autocast(), type(nullcontext()))
     assert not _runtime(precision="fp32", cast="model").low_precision_model
-    # (a quarter of the slice: bf16 is emulated, and slow, on CPUs without it)
-    quarter = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048])
     session = Session(_recipe("data.batch_size=128"), quarter, rt)
     result = session.run()
     assert result.test_acc > 0.4                                        # chance: 10%

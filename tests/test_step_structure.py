@@ -24,7 +24,7 @@ from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.profiling.step_structure import cuda_graph_inputs, measure, profiled
 from speedrun.recipe import load_recipe
 
-from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, STRUCTURE_TEST_IMAGES
+from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, structure_slice
 
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
@@ -32,9 +32,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
 
 @pytest.fixture(scope="module")
 def cifar_slice(cifar10):
-    return dataclasses.replace(cifar10, train_x=cifar10.train_x[:1024], train_y=cifar10.train_y[:1024],
-                               test_x=cifar10.test_x[:STRUCTURE_TEST_IMAGES],
-                               test_y=cifar10.test_y[:STRUCTURE_TEST_IMAGES])
+    return structure_slice(cifar10)
 
 
 def _structure(name, data, precision, compiled, monkeypatch, *sets):
@@ -55,11 +53,7 @@ def _structure(name, data, precision, compiled, monkeypatch, *sets):
 ])
 def test_a_compiled_step_is_three_regions_with_no_breaks_few_eager_ops_and_no_sync(
         name, precision, sets, cifar_slice, fashion, monkeypatch):
-    data = fashion if name == "fashion-mnist" else cifar_slice
-    if name == "fashion-mnist":
-        data = dataclasses.replace(data, train_x=data.train_x[:1024], train_y=data.train_y[:1024],
-                                   test_x=data.test_x[:STRUCTURE_TEST_IMAGES],
-                                   test_y=data.test_y[:STRUCTURE_TEST_IMAGES])
+    data = structure_slice(fashion) if name == "fashion-mnist" else cifar_slice
     s = _structure(name, data, precision, True, monkeypatch, *sets)
     assert s["graph_breaks"] == 0 and s["graph_breaks_during_steps"] == 0 and s["recompiles_during_steps"] == 0, s
     assert s["compiled_regions_per_step"] <= 3, s
