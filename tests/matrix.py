@@ -55,6 +55,40 @@ def _both(recipe: str, data: str, sets: list[str], compiled_backend: str = "aot_
                                                                        if k != "subprocess"})]
 
 
+def _shared(recipe: str, data: str, sets: list[str], compiled_by: str, **kw) -> list[Entry]:
+    """fp32, eager only: a recipe whose compiled bf16 step is ``compiled_by``'s, whose entry on
+    the same pipeline compiles every part of this recipe's step (the same model, optimizer,
+    weight average and loss, and more: test_recipe_matrix.py checks it with
+    :func:`step_features`); what differs (the data set, its classes, the schedule's values)
+    changes no graph, so a second compile in emulated bf16 would check nothing new."""
+    COMPILED_BY[recipe] = compiled_by
+    return [Entry(recipe, data, tuple(sets), **kw)]
+
+
+COMPILED_BY: dict[str, str] = {}
+"""Recipe -> the recipe whose compiled bf16 matrix entry covers its step (see _shared)."""
+
+
+def step_features(recipe) -> set[str]:
+    """The parts of a loaded recipe's training step that decide its compiled graphs: the
+    model's kind and structure, the optimizer and its filter updates, the weight average, the
+    loss's terms, and how batches reach the step (streamed or resident, cached, resized)."""
+    m, a, d = recipe.model, recipe.augment, recipe.data
+    if m.name == "resnet":
+        parts = [f"resnet{m.depth}", f"stem={m.stem}", f"variant={m.variant}", f"antialias={m.antialias}",
+                 "preact" * m.preact, "zero_gamma" * m.zero_gamma]
+    else:
+        parts = ["speednet", f"activation={m.activation}", "residual" * bool(m.residual and any(m.residual)),
+                 "whiten" * (m.whiten.kernel > 0), "stem" * (m.stem_width > 0), f"pool={m.global_pool_grad}"]
+    parts += [f"optim={recipe.optim.name}", f"filters={recipe.optim.filters}", f"average={recipe.averaging.kind}",
+              "smoothing" * (recipe.train.label_smoothing > 0), "mixing" * bool(a.mixup or a.cutmix),
+              "prune" * (d.prune > 0), "distill" * (recipe.distill.teacher is not None),
+              "streamed" if d.dataset in ("folder", "imagenette") else "resident", f"cache={d.cache}",
+              f"low_res={a.low_res}" * (d.progressive is not None), "whole_epoch" * a.whole_epoch,
+              f"cast={recipe.runtime.cast}"]
+    return {p for p in parts if p and not p.endswith("=none")}
+
+
 def _fp32(recipe: str, data: str, sets: list[str], **kw) -> list[Entry]:
     """fp32, eager only: for a recipe's second pipeline, whose bf16 compiled run would repeat
     the first's model and step (what differs, the batches' source, does not depend on the
@@ -64,12 +98,12 @@ def _fp32(recipe: str, data: str, sets: list[str], **kw) -> list[Entry]:
 
 MATRIX: list[Entry] = [
     *_both("cifar10-94", "cifar_small", NPZ + SPEEDNET, "inductor"),
-    *_both("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET),
+    *_shared("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET, compiled_by="cifar10-94-cpu"),
     *_both("cifar10-94-cpu", "cifar_small", NPZ + SPEEDNET),      # cifar10-94-fast at 24, 28, 32 px
     *_both("page-resnet9", "cifar_small", NPZ + SPEEDNET + ["model.stem_width=16", "train.epochs=4",
                                                             "averaging.every=1", "averaging.decay=0.6"]),
     *_both("dawnbench-resnet18", "cifar_small", NPZ + RESNET_CIFAR),
-    *_both("fashion-mnist", "fashion_small", NPZ + SPEEDNET),
+    *_shared("fashion-mnist", "fashion_small", NPZ + SPEEDNET, compiled_by="cifar10-94"),
     *_both("folder", "jpeg32", FOLDER),
     *_fp32("folder", "npz32", NPZ + FOLDER),
     *_both("imagenet-resnet50", "imagenet224", IMAGENET + ["checkpoint.every_steps=2"], subprocess=True,
@@ -81,7 +115,7 @@ MATRIX: list[Entry] = [
     *_fp32("imagenet-resnet18-fast", "tiny_npz32", NPZ + RESNET18_FAST),
     *_both("imagenette", "imagenet224", IMAGENETTE),
     *_fp32("imagenette", "imagenet224", IMAGENETTE + ["data.cache=off"]),      # streamed, evaluated at 40 px
-    *_both("imagenette-20", "imagenet224", IMAGENETTE),
+    *_shared("imagenette-20", "imagenet224", IMAGENETTE, compiled_by="imagenette"),
     *_both("tiny-imagenet", "tiny64", TINY, subprocess=True),
     *_fp32("tiny-imagenet", "tiny_npz32", NPZ + TINY),
     # the two remaining corners of fp32/bf16 x eager/compiled
