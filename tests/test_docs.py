@@ -144,3 +144,52 @@ def test_results_page_reads_the_accuracy_sweeps_a_row_per_variant(tmp_path):
     assert "+0.22 against base" in stem                     # Welch against the first variant of its recipe
     base20 = next(r for r in rows if r.startswith("| `sweep.json` | base20"))
     assert "against stem20" in base20 and "91.71%" in base20
+
+
+USER_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_readme_and_the_speed_guide_stay_short():
+    for path, most in ((ROOT / "README.md", 300), (ROOT / "docs" / "speed.md", 300)):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= most, f"{path.relative_to(ROOT)} has {lines} lines, more than {most}"
+
+
+def test_no_issue_numbers_or_work_notes_where_a_user_reads():
+    """README, docs, benchmarks/README.md and everything under src/ (help strings, recipe comments)."""
+    files = USER_DOCS + [p for p in (ROOT / "src").rglob("*") if p.is_file() and p.suffix in {".py", ".toml", ".md", ".txt"}]
+    pattern = re.compile(r"issue [0-9]+|\bacceptance\b|\bTODO\b|\bTBD\b|\bFIXME\b", re.IGNORECASE)
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in files
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    seen, anchors, fenced = {}, set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6} (.+)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_links_between_the_docs_reach_a_file_and_a_heading():
+    broken = []
+    for page in USER_DOCS:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue                                        # http(s), mailto: not checked here
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

@@ -6,7 +6,7 @@ by (i, j) as a (N*H*W, C) matrix. On a 2-core Intel Xeon with AMX (6/167, torch 
 oneDNN's bf16 backward-weights kernel (brgconv_bwd_w) is slow where the feature maps are small
 and the batch large, the speed net's deep layers: for 2,000 images, 256 -> 256 channels, it took
 94 ms at 3x3 px, 135 at 5x5 and 165 at 6x6, against 29, 79 and 120 ms as products, while at 7x7
-and above oneDNN was the faster (``docs/speed.md``); ResNet-18D's last stage at 128 px (64 images,
+and above oneDNN was the faster (``docs/history.md``); ResNet-18D's last stage at 128 px (64 images,
 512 channels at 4x4 px) took 21.6 ms against 8.5. So which way a shape goes is measured,
 not assumed: ``runtime.conv_weight_grad = "auto"`` times both on the real tensors the first time
 a shape's backward runs (in the run's first steps) and keeps the products only where they took
