@@ -176,7 +176,7 @@ FIELDS: list[Entry] = [
     Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + [
         "optim.name=lars", "optim.lr=20.0", "optim.trust_coefficient=0.002", "optim.lr_scaling=none",
         "schedule={kind='cosine', warmup_epochs=0.25, warmup_start=0.1, end=0.05}", "model.activation=relu",
-        "runtime.find_batch=true", "runtime.hold_memory=off"])),
+        "runtime.find_batch=true", "runtime.hold_memory=off", "runtime.threads=1"])),
     # a polynomial schedule with a floor
     Entry("imagenet-resnet50-lars", "tiny_npz32", tuple(NPZ + LARS + ["schedule={kind='poly', warmup_epochs=0.2, "
                                                                  "power=1.5, end=0.01}"])),

@@ -375,6 +375,10 @@ class RuntimeConfig(Section):
         "statistics in fp32, no per-step casts; what the CIFAR-10 records do)")
     channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
+    threads: Literal["auto"] | Annotated[int, Field(ge=1, le=1024)] = Field(
+        "auto", description="CPU threads of torch's operators: auto = $OMP_NUM_THREADS where it is set, else one "
+        "per usable core that other work leaves idle at the start of the run (a thread sharing its core with a "
+        "busy process stalls every operator); N = exactly N")
     hold_memory: Literal["auto", "on", "off"] = Field(
         "auto", description="keep freed memory in the process (glibc: large blocks from the heap, no trimming) so "
         "that each step reuses its pages instead of faulting fresh ones in; auto = on for CPU devices under glibc")

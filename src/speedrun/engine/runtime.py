@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .. import compat
-from . import memory
+from . import memory, threads
 from ..errors import RecipeError
 from ..models import weight_grad
 from ..models.norm import norm_in_fp32
@@ -63,6 +63,7 @@ class Runtime:
     hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
     conv_weight_grad: str = "torch"        # 3x3 weight gradients: torch's, gemm, or auto (models/weight_grad.py)
     cast: str = "autocast"                 # bf16/fp16 by autocast, or the model stored in it (runtime.cast)
+    threads: int = 0                       # CPU operator threads (engine/threads.py); 0 = as the process has them
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,6 +128,8 @@ class Runtime:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         weight_grad.set_mode(self.conv_weight_grad)
+        if self.threads:
+            threads.apply_threads(self.threads)
         if self.compile:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
@@ -151,6 +154,7 @@ class Runtime:
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
                 "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
+                "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
                 "runtime_choices": list(self.choices)}
 
 
@@ -276,6 +280,13 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         compile_ = False
         choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
                        "eager (install one, e.g. Debian's g++, to compile)")
+    n_threads = 0
+    if not cuda and model is not None:            # (the plan's call: once per run, said at start)
+        omp = os.environ.get("OMP_NUM_THREADS")
+        measure = cfg.threads == "auto" and not (omp and omp.strip().isdigit())
+        n_threads, why = threads.choose_threads(cfg.threads, threads.usable_cores(),
+                                                threads.busy_cores() if measure else None, omp)
+        choices.append(why)
     hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library(), cfg.find_batch)
     choices.append(why)
     wgrad = weight_grad.resolve(cfg.conv_weight_grad, device.type, precision, compile_)
@@ -285,7 +296,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if cfg.cast == "model" and precision == "fp32":
         choices.append("runtime.cast=model has nothing to cast in fp32: the model stays fp32")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
-                   wgrad, cfg.cast)
+                   wgrad, cfg.cast, n_threads)
 
 
 # ------------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         **parallel,
         **session.runtime.describe(),
         **env,
+        "torch_threads": torch.get_num_threads(),       # as the run trained (runtime.threads), not at start
     }
 
 
