@@ -19,6 +19,7 @@ from .engine.runtime import pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
+from .run_lock import RunFolderLock
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
@@ -122,8 +123,13 @@ def train_command(args) -> int:
     resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before the job starts
     distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
                       recipe.distributed.timeout_s)
+    lock = None
     try:
         folder = folder or _run_folder(args, recipe, world)
+        lock = RunFolderLock(folder, "--out" if args.resume is None else "--resume") if world.is_main else None
+        if lock is not None and lock.taken_over:
+            print(f"speedrun: {folder} was left locked by process {lock.taken_over}, which is no longer running; "
+                  "this run takes it over")
         history = resume["history"] if resume is not None else None
         record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
             else NullRecord(folder)
@@ -135,6 +141,8 @@ def train_command(args) -> int:
             record.discard()                   # a failed run leaves no empty folder behind
             raise
     finally:
+        if lock is not None:
+            lock.release()
         distributed.stop()
 
 
