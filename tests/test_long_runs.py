@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 SMALL = ["--set", "data.dataset=npz", "--set", "model.widths=[8,8,8]", "--set", "data.batch_size=128",
          "--set", "eval.tta=none", "--device", "cpu"]

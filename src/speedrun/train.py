@@ -24,7 +24,7 @@ from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import NullRecord, RunRecord, new_run_dir, run_folder_bytes
-from .report.summary import preprocessing_of, summary_of
+from .report.summary import preprocessing_of, summary_of, target_line
 
 
 def out_of_memory_message(recipe: Recipe, device) -> str:
@@ -180,7 +180,7 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         ("test accuracy" + (f" ({recipe.eval.tta} TTA)" if recipe.eval.tta != "none" else ""),
          f"{result.test_acc:.2%}"),
         ("without TTA", f"{result.test_acc_no_tta:.2%}"),
-        ("target", f"{recipe.target:.2%}"),
+        ("target", target_line(summary, result.test_acc)),
         ("epochs", f"{result.epochs:g}"),
         ("train seconds", f"{result.train_seconds:.2f}"),
         ("compile seconds", f"{session.compile_seconds:.2f}"),
