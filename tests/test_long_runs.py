@@ -73,3 +73,42 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_is_
     assert f"left locked by process {victim.pid}, which is no longer running" in resumed.stdout
     assert json.loads((killed / "summary.json").read_text())["test_acc"] > 0.5
     assert not (killed / ".speedrun.lock").exists()
+
+
+def descendants(pid):
+    """The ids of a process's descendants, from /proc."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_a_killed_data_loader_worker_ends_the_run_naming_the_folder_and_keeps_the_weights(tmp_path, jpeg32):
+    out, log_path = tmp_path / "run", tmp_path / "job.log"
+    with open(log_path, "w") as log:
+        proc = start("train", "folder", "--data", jpeg32, "--set", "data.cache=off", "--set", "data.workers=2",
+                     "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=32", "--set", "train.epochs=4",
+                     "--set", "eval.tta=none", "--set", "data.auto_choices=false", "--set", "data.image_size=32",
+                     "--log-every", "1", "--out", out, log=log)
+        t0 = time.monotonic()
+        while "epoch 1/4 done" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 300, log_path.read_text()
+            time.sleep(0.05)
+        workers = [p for p in descendants(proc.pid) if p not in descendants(proc.pid)[:1]]
+        os.kill(workers[-1], signal.SIGKILL)
+        proc.wait(timeout=300)
+    text = log_path.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("speedrun: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, text
+    assert "data loader worker reading" in errors[0] and str(jpeg32) in errors[0] and "Traceback" not in text
+    assert (out / "last_good.pt").exists()
