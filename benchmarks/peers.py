@@ -200,7 +200,7 @@ def run_speedrun(args, work: Path, env: dict, data_arg: str, tag: str = "") -> d
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final_eval = summary["final_eval_seconds"]                # timed inside the run, as the peers time theirs
-    recorded = [b - a for a, b in zip([0.0] + [m["seconds"] for m in metrics], [m["seconds"] for m in metrics])]
+    recorded = [m["seconds"] for m in metrics]                # each epoch's own training seconds
     train = summary["train_seconds"]
     images = summary["steps"] * summary["batch_size"]
     return {"peer": "speedrun", "precision": summary["precision"], "threads": summary["torch_threads"],

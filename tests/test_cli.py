@@ -139,7 +139,7 @@ def test_progress_is_printed_as_plain_lines_when_output_is_a_log_file(tmp_path, 
     assert proc.returncode == 0
     text = log.read_text()
     steps = re.findall(r"fashion-mnist step (\d+)/16 epoch (\d)/2 ([\d,]+) img/s ETA (\d+s|\d+m\d\ds)"
-                       r"(?: \(epoch (\d) loss (\d+\.\d+)\))?\n", text)
+                       r" \(with the final evaluation, estimated at \d+s\)(?: \(epoch (\d) loss (\d+\.\d+)\))?\n", text)
     assert [int(s[0]) for s in steps] == [3, 6, 9, 12, 15]
     assert [s[1] for s in steps] == ["1", "1", "2", "2", "2"]
     assert all(int(s[2].replace(",", "")) > 0 for s in steps)
@@ -153,13 +153,14 @@ def test_progress_is_printed_as_plain_lines_when_output_is_a_log_file(tmp_path, 
 
 def test_progress_counts_the_epochs_the_run_trains(tmp_path, fashion_small):
     """A run whose last epoch is partial says how many epochs it trains as its summary does: 12
-    steps of 8 an epoch are 1.5 epochs, the second shown as 1.5/1.5; one epoch is 'epoch'."""
+    steps of 8 an epoch are 1.5 epochs, the second done as 1.5/1.5 and shown as far as it has
+    come while it trains (1.25/1.5 at step 10); one epoch is 'epoch'."""
     common = ["train", "fashion-mnist", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set",
               "model.widths=[8,8,8]", "--set", "data.batch_size=128", "--set", "eval.tta=none", "--log-every", "5"]
     proc = speedrun(*common, "--set", "train.epochs=1.5", "--out", tmp_path / "a")
     text = proc.stdout
     assert "fashion-mnist: 12 steps in 1.5 epochs, batch 128" in text
-    assert re.findall(r"fashion-mnist step (\d+)/12 epoch (\S+) ", text) == [("5", "1/1.5"), ("10", "1.5/1.5")]
+    assert re.findall(r"fashion-mnist step (\d+)/12 epoch (\S+) ", text) == [("5", "1/1.5"), ("10", "1.25/1.5")]
     assert re.findall(r"fashion-mnist epoch (\S+) done", text) == ["1/1.5", "1.5/1.5"]
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["epochs"] == 1.5
     assert re.search(r"epochs\s+│\s+1\.5 ", text)

@@ -58,6 +58,17 @@ def test_resolved_cpu_runtime_says_why():
 def test_auto_cpu_compile_follows_the_measurements(model, precision, steps, norm_fp32, compiled):
     on, why = auto_cpu_compile(model, precision, steps, norm_fp32)
     assert on is compiled and why.startswith("compile on" if compiled else "compile off")
+    assert "measured" not in why                      # (on the CPUs the timings come from)
+
+
+def test_the_compile_line_says_its_timings_come_from_another_cpu():
+    """On an Intel CPU the line that cites Zen 4 timings says they were measured there, not here."""
+    name = "Intel(R) Xeon(R) Platinum 8488C"
+    _, why = auto_cpu_compile("resnet", "bf16", 100_000, False, cpu=name)
+    assert "Zen 4" in why and why.endswith(f"timings measured on 2-core AMD EPYCs (Zen 3, Zen 4), not on this CPU "
+                                           f"({name})")
+    _, why = auto_cpu_compile("speednet", "fp32", 100, True, cpu="AMD EPYC 7B13")
+    assert "not on this CPU" not in why
 
 
 def test_the_imagenette_recipes_stay_eager_on_a_cpu():

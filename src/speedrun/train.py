@@ -19,11 +19,12 @@ from .engine.runtime import pick_device, resolve_runtime
 from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopped
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
+from .run_lock import RunFolderLock
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import NullRecord, RunRecord, new_run_dir, run_folder_bytes
-from .report.summary import preprocessing_of, summary_of
+from .report.summary import preprocessing_of, summary_of, target_line
 
 
 def out_of_memory_message(recipe: Recipe, device) -> str:
@@ -122,8 +123,13 @@ def train_command(args) -> int:
     resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before the job starts
     distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
                       recipe.distributed.timeout_s)
+    lock = None
     try:
         folder = folder or _run_folder(args, recipe, world)
+        lock = RunFolderLock(folder, "--out" if args.resume is None else "--resume") if world.is_main else None
+        if lock is not None and lock.taken_over:
+            print(f"speedrun: {folder} was left locked by process {lock.taken_over}, which is no longer running; "
+                  "this run takes it over")
         history = resume["history"] if resume is not None else None
         record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
             else NullRecord(folder)
@@ -135,6 +141,8 @@ def train_command(args) -> int:
             record.discard()                   # a failed run leaves no empty folder behind
             raise
     finally:
+        if lock is not None:
+            lock.release()
         distributed.stop()
 
 
@@ -172,7 +180,7 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         ("test accuracy" + (f" ({recipe.eval.tta} TTA)" if recipe.eval.tta != "none" else ""),
          f"{result.test_acc:.2%}"),
         ("without TTA", f"{result.test_acc_no_tta:.2%}"),
-        ("target", f"{recipe.target:.2%}"),
+        ("target", target_line(summary, result.test_acc)),
         ("epochs", f"{result.epochs:g}"),
         ("train seconds", f"{result.train_seconds:.2f}"),
         ("compile seconds", f"{session.compile_seconds:.2f}"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.pool
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
 from contextlib import ExitStack
@@ -34,6 +35,12 @@ DEVICE_BATCH = 256
 """Files per batched call of the torchvision decoder."""
 
 _items: ImageItems | None = None
+
+
+def progress_bar() -> Progress:
+    """A transient progress bar on a terminal; none where output goes to a file (a bar written
+    to a file leaves only blank lines there)."""
+    return Progress(transient=True, disable=not sys.stdout.isatty())
 
 
 def worker_pool(workers: int, initializer=None, initargs=()) -> multiprocessing.pool.Pool:
@@ -72,7 +79,7 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
     with ExitStack() as stack:
         # the workers start before the progress bar's thread does (and from a fork server)
         pool = stack.enter_context(worker_pool(workers, _init_worker, (items,))) if workers > 0 else None
-        bar = stack.enter_context(Progress(transient=True))
+        bar = stack.enter_context(progress_bar())
         task = bar.add_task(f"decoding {label}", total=len(jobs))
         if pool is not None:
             for i, x in pool.imap_unordered(_decode_one, jobs, chunksize=64):
@@ -91,7 +98,7 @@ def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt:
                       device: torch.device, arr: np.ndarray, kept: np.ndarray) -> None:
     """The torchvision decoder: batches of files decoded and resized on ``device``."""
     from .sources.device_decode import decode_to_square
-    with Progress(transient=True) as bar:
+    with progress_bar() as bar:
         task = bar.add_task(f"decoding {label} on {device.type}", total=len(images))
         for start in range(0, len(images), DEVICE_BATCH):
             stop = min(start + DEVICE_BATCH, len(images))
@@ -265,7 +272,7 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
         if annotations:
             (staging / "val" / "val_annotations.txt").write_text("\n".join(annotations) + "\n")
         # each job carries its own image (a few kB pickled), never the whole set
-        with worker_pool(default_workers(workers) or 1) as pool, Progress(transient=True) as bar:
+        with worker_pool(default_workers(workers) or 1) as pool, progress_bar() as bar:
             task = bar.add_task(f"writing {name} as {fmt}", total=len(jobs))
             args = ((path, img, fmt, quality, size) for path, img in jobs)
             for _ in pool.imap_unordered(_write_image, args, chunksize=256):

@@ -32,7 +32,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .build import build_for_run, fresh_model, snapshot, teacher_for, train_step_for
 from .distributed import World
-from .evaluate import evaluate
+from .evaluate import TTA_VIEWS, evaluate
 from .precision import NonFiniteLoss, first_bad_step
 from .records import EpochRecord, EpochSteps, RunResult
 from .runtime import Runtime, compiled_graphs
@@ -49,9 +49,11 @@ class DataFailure(RuntimeError):
 
 
 class NullProgress:
-    def start(self, total_steps: int, epochs: float, batch_size: int) -> None: ...
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None: ...
     def step(self) -> None: ...
     def epoch(self, record: EpochRecord) -> None: ...
+    def final_evaluation(self, images: int, tta: str) -> None: ...
+    def final_evaluation_done(self, seconds: float) -> None: ...
 
 
 class LastGood:
@@ -189,7 +191,9 @@ class Session:
         self._reset_for = None
         graphs_before = compiled_graphs() if rt.compile else 0
         # the epochs the run trains, a fraction where its last epoch is partial (as the summary says)
-        progress.start(self.total_steps, self.total_steps / self.steps_per_epoch, r.data.batch_size)
+        views = len(TTA_VIEWS[r.eval.tta]) * r.eval.tta_fraction + (1 - r.eval.tta_fraction)
+        progress.start(self.total_steps, self.total_steps / self.steps_per_epoch, r.data.batch_size,
+                       round(len(self.source.test_y) * views))
 
         source = place_source(self.source, rt)          # (the move to the device: before the clock)
         clock = Clock(rt)
@@ -226,7 +230,8 @@ class Session:
                     with clock.pause("monitor"), (averager.applied() if averager else nullcontext()):
                         _, plain, n_test = self._evaluate(data, "none", 1.0).tolist()
                         rec.test_acc = plain / n_test
-                rec.seconds = clock.seconds()
+                rec.seconds_total = clock.seconds()
+                rec.seconds = rec.seconds_total - (st.history[-1].seconds_total if st.history else 0.0)
                 st.history.append(rec)
                 if epoch + 1 < self.n_epochs:
                     with clock.pause("bookkeeping"):
@@ -238,6 +243,8 @@ class Session:
             if step.averager is not None:
                 step.averager.finalize()
             eval_start = clock.seconds()
+            with clock.pause("bookkeeping"):
+                progress.final_evaluation(len(self.source.test_y), r.eval.tta)
             c_tta, c_plain, n_test = self._evaluate(data, r.eval.tta, r.eval.tta_fraction).tolist()
         except DataError as err:
             if step.steps_done == 0:
@@ -246,7 +253,10 @@ class Session:
         acc, acc_plain = c_tta / n_test, c_plain / n_test
         train_seconds = clock.seconds()
         final_eval_seconds = train_seconds - eval_start
-        st.history[-1].test_acc, st.history[-1].seconds = acc_plain, train_seconds
+        progress.final_evaluation_done(final_eval_seconds)
+        last = st.history[-1]
+        last.test_acc, last.seconds_total = acc_plain, train_seconds
+        last.seconds = eval_start - (st.history[-2].seconds_total if len(st.history) > 1 else 0.0)
         progress.epoch(st.history[-1])
         if on_epoch is not None:
             on_epoch(st.history[-1])

@@ -14,8 +14,9 @@ class EpochRecord:
     train_acc: float
     test_acc: float | None
     lr: float
-    seconds: float
+    seconds: float                        # this epoch's training seconds
     skipped_steps: int = 0
+    seconds_total: float = 0.0            # the run's training seconds so far (the last: with the final evaluation)
 
 
 @dataclass

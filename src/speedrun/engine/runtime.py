@@ -193,8 +193,19 @@ on a 2-core Zen 4 (benchmarks/results/step-structure-amd-epyc-25-17.json) a ResN
 compile cache: even after about 690 steps."""
 
 
+MEASURED_CPUS = "AMD EPYC"
+"""The CPUs the compile decision's timings were measured on (2-core AMD EPYCs, Zen 3 and Zen 4)."""
+
+
+def measured_elsewhere(cpu: str) -> str:
+    """What the compile line adds on a CPU other than those its timings come from."""
+    if MEASURED_CPUS in cpu:
+        return ""
+    return f"; timings measured on 2-core AMD EPYCs (Zen 3, Zen 4), not on this CPU ({cpu or 'unknown'})"
+
+
 def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
-                     norm_fp32: bool = True) -> tuple[bool, str]:
+                     norm_fp32: bool = True, cpu: str = MEASURED_CPUS) -> tuple[bool, str]:
     """(compile?, why) for ``runtime.compile = "auto"`` on a CPU, from measurements on 2-core
     AMD EPYCs (step_structure.py records): the speed nets run no faster compiled (bf16 on a
     Zen 4: 2-2.5% slower per step, for 40-45 s of compilation; fp32 on a Zen 3: 4-8% slower),
@@ -203,7 +214,13 @@ def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
     :data:`CPU_COMPILE_MIN_STEPS` steps. With its batch norm in bf16 the eager ResNet is the
     faster (ResNet-18D at 128 px on a Zen 4: 1.91 s a step eager against 2.79 s compiled, and
     29% faster than eager with fp32 batch norm; imagenette-tuning record): eager. fp32 ResNets
-    gain 6% on a Zen 4 and lose 8% on a Zen 3: eager."""
+    gain 6% on a Zen 4 and lose 8% on a Zen 3: eager. ``cpu``: this CPU's name; on another
+    make of CPU the line says the timings were measured elsewhere."""
+    compile_, why = _cpu_compile_choice(model, precision, steps, norm_fp32)
+    return compile_, why + (measured_elsewhere(cpu) if model is not None and steps is not None else "")
+
+
+def _cpu_compile_choice(model: str | None, precision: str, steps: int | None, norm_fp32: bool) -> tuple[bool, str]:
     if model == "resnet" and precision == "bf16" and not norm_fp32:
         return False, ("compile off: a ResNet in bf16 with its batch norm in bf16 runs faster eager on a CPU "
                        "(ResNet-18D: 1.91 s a step eager, 2.79 s compiled, on a Zen 4)")
@@ -270,7 +287,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
                        "its statistics summed in fp32 (model.norm.fp32=auto)")
     norm_fp32 = norm_in_fp32(norm_fp32, device.type)
     if cfg.compile == "auto" and not cuda:
-        compile_, why = auto_cpu_compile(model, precision, steps, norm_fp32)
+        compile_, why = auto_cpu_compile(model, precision, steps, norm_fp32, cpu_name())
         if model is not None:
             choices.append(why)
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"

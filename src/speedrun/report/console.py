@@ -65,6 +65,18 @@ class EpochCount:
         """'k/E' for epoch ``epoch`` (from 1) of E."""
         return f"{min(epoch, self.epochs):g}/{self.epochs:g}"
 
+    def running(self, epoch: int, reached: float) -> str:
+        """The label while epoch ``epoch`` trains, ``reached`` epochs done: the partial last
+        epoch (all of a run shorter than one) shows how far it has come, 'k.kk/E'."""
+        if epoch < self.count or self.count == self.epochs:
+            return self.label(epoch)
+        return f"{round(min(reached, self.epochs), 2):g}/{self.epochs:g}"
+
+
+EVAL_COST = 1 / 3
+"""A test image's evaluation against a training image's step, for the ETA's estimate of the final
+evaluation: a forward pass of the three (forward, backward, update) a step makes."""
+
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -85,8 +97,11 @@ class LogLines:
     def print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def start(self, total_steps: int, epochs: float, batch_size: int) -> None:
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None:
+        """``eval_images``: the images the final evaluation computes (TTA views counted), for
+        the ETA's estimate of it."""
         self.total, self.epochs, self.batch = total_steps, EpochCount(epochs), batch_size
+        self.steps_per_epoch, self.eval_images = total_steps / epochs, eval_images
         self.done, self.epoch_now, self.last_loss = 0, 1, None
         self.t0 = self.last_t = time.monotonic()
         self.last_done = 0
@@ -100,17 +115,28 @@ class LogLines:
         if not due or self.done == self.total:
             return
         rate = (self.done - self.last_done) * self.batch / max(now - self.last_t, 1e-9)
-        eta = (now - self.t0) / self.done * (self.total - self.done)
+        per_step = (now - self.t0) / self.done
+        final_eval = per_step / self.batch * self.eval_images * EVAL_COST
+        eta = per_step * (self.total - self.done) + final_eval
         loss = "" if self.last_loss is None else f" (epoch {self.epoch_now - 1} loss {self.last_loss:.4f})"
-        self.print(f"{self.title} step {self.done}/{self.total} epoch {self.epochs.label(self.epoch_now)} "
-                   f"{rate:,.0f} img/s ETA {_duration(eta)}{loss}")
+        epoch = self.epochs.running(self.epoch_now, self.done / self.steps_per_epoch)
+        self.print(f"{self.title} step {self.done}/{self.total} epoch {epoch} {rate:,.0f} img/s ETA "
+                   f"{_duration(eta)} (with the final evaluation, estimated at {_duration(final_eval)}){loss}")
         self.last_t, self.last_done = now, self.done
 
     def epoch(self, rec) -> None:
         test = f" test acc {rec.test_acc:.4f}" if rec.test_acc is not None else ""
         self.print(f"{self.title} epoch {self.epochs.label(rec.epoch)} done: loss {rec.train_loss:.4f} "
-                   f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s)")
+                   f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s, {rec.seconds_total:.1f} s in all)")
         self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs.count), rec.train_loss
+
+    def final_evaluation(self, images: int, tta: str) -> None:
+        self.eval_t0 = time.monotonic()
+        views = "" if tta == "none" else f", {tta} TTA"
+        self.print(f"{self.title} final evaluation: {images:,} test images{views}")
+
+    def final_evaluation_done(self, seconds: float) -> None:
+        self.print(f"{self.title} final evaluation done in {seconds:.1f} s")
 
 
 class ProgressBar:
@@ -125,7 +151,7 @@ class ProgressBar:
     def print(self, text: str) -> None:
         self.bar.console.print(text, markup=False, highlight=False)
 
-    def start(self, total_steps: int, epochs: float, batch_size: int) -> None:
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None:
         self.epochs = EpochCount(epochs)
         if self.task is not None:
             self.bar.remove_task(self.task)
@@ -139,6 +165,13 @@ class ProgressBar:
         nxt = min(rec.epoch + 1, self.epochs.count)
         self.bar.update(self.task, description=f"{self.title} epoch {self.epochs.label(nxt)}",
                         info=f"loss {rec.train_loss:.3f} train {rec.train_acc:.4f}{test}")
+
+    def final_evaluation(self, images: int, tta: str) -> None:
+        views = "" if tta == "none" else f", {tta} TTA"
+        self.bar.update(self.task, description=f"{self.title} final evaluation ({images:,} test images{views})")
+
+    def final_evaluation_done(self, seconds: float) -> None:
+        self.print(f"{self.title} final evaluation done in {seconds:.1f} s")
 
 
 class TrainingProgress:

@@ -26,7 +26,7 @@ from .record import LOG_FILES, RunRecord
 KINDS = ("tensorboard", "csv")
 
 EPOCH_COLUMNS = ["epoch", "step", "train_loss", "train_acc", "test_acc", "test_acc_tta", "lr", "seconds",
-                 "skipped_steps"]
+                 "seconds_total", "skipped_steps"]
 INSTALL = "pip install tensorboard (or pip install 'speedrun[tensorboard]')"
 
 

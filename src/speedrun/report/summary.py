@@ -46,7 +46,8 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         "recipe_hash": recipe.digest(),
         "dataset": recipe.data.dataset,
         "data_path": data_path(recipe, session.source),
-        "target": recipe.target,
+        **target_of(recipe),
+        "target_reached": None if target_of(recipe)["target"] is None else result.test_acc >= recipe.target,
         "test_acc": result.test_acc,
         "test_acc_no_tta": result.test_acc_no_tta,
         "test_images": result.test_images,
@@ -76,6 +77,26 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         **env,
         "torch_threads": torch.get_num_threads(),       # as the run trained (runtime.threads), not at start
     }
+
+
+def target_of(recipe: Recipe) -> dict:
+    """The recipe's target and the data set it was set for (a shipped recipe's own
+    ``data.dataset``), or none where the run trains other data (``--set data.dataset=...``):
+    a target is a claim about one data set."""
+    from ..recipe import load_recipe, shipped_recipes
+    d = recipe.data
+    used = Path(d.path).name if d.dataset in ("folder", "npz") and d.path else d.dataset
+    set_for = load_recipe(recipe.name).data.dataset if recipe.name in shipped_recipes() else d.dataset
+    return {"target": recipe.target if set_for == d.dataset else None, "target_set_for": set_for,
+            "target_data": used}
+
+
+def target_line(target: dict, test_acc: float) -> str:
+    """'94.00% (cifar10), reached' or 'none set for fashion.npz (94.00% is for cifar10)'."""
+    if target["target"] is None:
+        return f"none set for {target['target_data']} (the recipe's is for {target['target_set_for']})"
+    reached = "reached" if test_acc >= target["target"] else "not reached"
+    return f"{target['target']:.2%} ({target['target_set_for']}), {reached}"
 
 
 def skipped_images(result: RunResult, source) -> dict:

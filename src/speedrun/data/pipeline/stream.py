@@ -228,6 +228,18 @@ def sample_stats(images: ImageList, channels: int, size: int, decoder: str, n: i
     return x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3))
 
 
+def batches_of(loader: DataLoader, folder) -> Iterator:
+    """The loader's batches; a worker process that dies (the system's out-of-memory killer, a
+    ``kill``) ends them with a :class:`DataError` naming the worker and the folder."""
+    try:
+        yield from loader
+    except RuntimeError as err:
+        if "DataLoader worker" not in str(err):
+            raise
+        raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({str(err).splitlines()[0]}); "
+                        "the system may have run out of memory: lower data.workers or free memory") from None
+
+
 class StreamedData:
     """Train and validation loaders for a folder dataset, yielding normalised device batches
     (this rank's share of each batch when training is split over processes)."""
@@ -275,7 +287,7 @@ class StreamedData:
             raise ValueError("the streamed loader was built for another batch size")
         self.train_sampler.set_epoch(epoch, size or self.image_size[0], skip)
         draws = augment.draw(epoch)
-        for x_u8, y, idx, skipped in self.train_loader:
+        for x_u8, y, idx, skipped in batches_of(self.train_loader, self.train_items.images.root):
             self._note(skipped)
             if x_u8 is None:
                 continue
@@ -292,7 +304,7 @@ class StreamedData:
     def indexed_test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """test_batches with the validation-list index of each image (unreadable images skipped
         with data.skip_corrupt leave gaps)."""
-        for x_u8, y, idx, skipped in self.val_loader:
+        for x_u8, y, idx, skipped in batches_of(self.val_loader, self.val_items.images.root):
             self._note(skipped)
             if isinstance(x_u8, Unreadable):
                 raise DataError(str(x_u8))

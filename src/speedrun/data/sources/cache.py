@@ -120,6 +120,9 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
                          workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
         seconds = time.perf_counter() - t0
         made = True
+        say(f"decoded {result['train'] + result['test']:,} images in {seconds:.1f} s "
+            f"({(len(train) + len(val)) / max(seconds, 1e-9):,.0f} images/s)"
+            + (f", {result['skipped']:,} unreadable skipped" if result["skipped"] else ""))
         info = {"skipped": result["skipped"], "skipped_files": dict(list(result["skipped_files"].items())[:LISTED]),
                 "decode_seconds": seconds,
                 "images_per_s": (len(train) + len(val)) / seconds if seconds else None,

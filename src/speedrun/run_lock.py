@@ -1,0 +1,116 @@
+"""One run at a time in a run folder: an exclusive ``flock`` on ``.speedrun.lock`` inside it.
+
+The kernel drops a ``flock`` when the process that holds it ends, however it ends (``kill -9``
+and the out-of-memory killer included), so a lock file left behind by a killed run is free and
+is simply taken over; the process id written in the file only names the holder in messages.
+This module sits with the plumbing: it imports only ``errors`` and ``files``.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from .errors import RunFolderError
+from .files import make_folder
+
+LOCK_NAME = ".speedrun.lock"
+
+
+def _holder(fd: int) -> str:
+    """The process id the lock file names, or '' when it names none."""
+    try:
+        text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    return text if text.isdigit() else ""
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return True
+
+
+class RunFolderLock:
+    """Held while a run writes into ``folder``; :meth:`release` (on any exit) frees it and
+    removes the lock file and the folders made for it when nothing else was written there."""
+
+    def __init__(self, folder: Path, option: str = "--out"):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.made: list[Path] = []                   # the folder and parents made for the lock, deepest first
+        self.taken_over = ""                         # the pid of a killed run whose lock file was left
+        p = self.folder
+        while not p.exists() and p != p.parent:
+            self.made.append(p)
+            p = p.parent
+        if not self.made and self.path.exists():
+            self._refuse_if_held(option)             # nothing is created or changed when refused
+        make_folder(self.folder)
+        self.fd = self._take(option)
+
+    def _refuse_if_held(self, option: str) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _holder(fd)
+            os.close(fd)
+            who = f"process {pid}" if pid else "another process"
+            raise RunFolderError(f"{option} {self.folder} is in use by a run that is still going ({who} holds "
+                                 f"{self.path}); wait for it to end, or pass another {option} folder") from None
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _take(self, option: str) -> int:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise RunFolderError(f"cannot create {self.path}: {err.strerror}; choose another {option} "
+                                     "folder") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._refuse_if_held(option)         # (raced with another run starting: refused there)
+                continue
+            try:                                     # a releasing run may have removed the file we locked
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            old = _holder(fd)
+            if old and old != str(os.getpid()) and not _alive(old):
+                self.taken_over = old
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so no other run holds a removed file)
+        and free it; then remove the folders made for it if they are empty."""
+        if self.fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self.fd)                            # (closing drops the flock)
+        self.fd = -1
+        for folder in self.made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -1,0 +1,114 @@
+"""Faults of long runs, with real processes and real files: a second run into a folder in use,
+a run killed with -9 whose lock is left behind, a data loader worker killed by the system, and
+a decoded cache that was truncated or overwritten."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+SMALL = ["--set", "data.dataset=npz", "--set", "model.widths=[8,8,8]", "--set", "data.batch_size=128",
+         "--set", "eval.tta=none", "--device", "cpu"]
+
+
+def start(*args, log):
+    return subprocess.Popen([sys.executable, "-m", "speedrun", *map(str, args)], stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "speedrun", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def wait_for(path, proc, seconds=300):
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {path} was written"
+        assert time.monotonic() - t0 < seconds, f"{path} was not written in {seconds} s"
+        time.sleep(0.05)
+
+
+def tree(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path,
+                                                                                            fashion_small):
+    out = tmp_path / "run"
+    common = ["train", "fashion-mnist", "--data-dir", fashion_small, *SMALL, "--out", out]
+    with open(tmp_path / "first.log", "w") as log:
+        first = start(*common, "--set", "train.epochs=12", "--set", "checkpoint.every_steps=4", log=log)
+        try:
+            wait_for(out / "checkpoint.pt", first)
+            before = tree(out)
+            second = run(*common, "--set", "train.epochs=1")
+            assert first.poll() is None                     # (the first run is still going)
+            after = tree(out)
+        finally:
+            first.wait(timeout=600)
+    assert second.returncode == 2, second.stderr
+    line = second.stderr.strip()
+    assert line.count("\n") == 0 and line.startswith("speedrun: error: --out ")
+    assert str(out) in line and f"process {first.pid}" in line and "still going" in line
+    assert set(after) >= set(before) and after[".speedrun.lock"] == before[".speedrun.lock"]
+    assert not (out / "model.pt").exists() or first.returncode == 0       # nothing of the refused run
+    assert first.returncode == 0, (tmp_path / "first.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["test_acc"] > 0.5      # the first run learned
+    assert not (out / ".speedrun.lock").exists()                                # released at its end
+
+    # a run killed with -9 leaves its lock file behind; the kernel freed the lock, so resuming takes it over
+    killed = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        victim = start("train", "fashion-mnist", "--data-dir", fashion_small, *SMALL, "--out", killed,
+                       "--set", "train.epochs=3", "--set", "checkpoint.every_steps=2", log=log)
+        wait_for(killed / "checkpoint.pt", victim)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=60)
+    assert (killed / ".speedrun.lock").read_text().strip() == str(victim.pid)
+    resumed = run("train", "--resume", killed)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"left locked by process {victim.pid}, which is no longer running" in resumed.stdout
+    assert json.loads((killed / "summary.json").read_text())["test_acc"] > 0.5
+    assert not (killed / ".speedrun.lock").exists()
+
+
+def descendants(pid):
+    """The ids of a process's descendants, from /proc."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_a_killed_data_loader_worker_ends_the_run_naming_the_folder_and_keeps_the_weights(tmp_path, jpeg32):
+    out, log_path = tmp_path / "run", tmp_path / "job.log"
+    with open(log_path, "w") as log:
+        proc = start("train", "folder", "--data", jpeg32, "--set", "data.cache=off", "--set", "data.workers=2",
+                     "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=32", "--set", "train.epochs=4",
+                     "--set", "eval.tta=none", "--set", "data.auto_choices=false", "--set", "data.image_size=32",
+                     "--log-every", "1", "--out", out, log=log)
+        t0 = time.monotonic()
+        while "epoch 1/4 done" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 300, log_path.read_text()
+            time.sleep(0.05)
+        workers = [p for p in descendants(proc.pid) if p not in descendants(proc.pid)[:1]]
+        os.kill(workers[-1], signal.SIGKILL)
+        proc.wait(timeout=300)
+    text = log_path.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("speedrun: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, text
+    assert "data loader worker reading" in errors[0] and str(jpeg32) in errors[0] and "Traceback" not in text
+    assert (out / "last_good.pt").exists()
