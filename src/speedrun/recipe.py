@@ -29,6 +29,19 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def refuse_unused(self, switch: str, off: Any, fields: tuple[str, ...], where: str, turn_on: str) -> None:
+        """Refuse the ``fields`` set away from their defaults while ``switch`` is at ``off``,
+        its default, where they do nothing: one message naming them and the switch they need
+        (``where`` is this section's dotted path). A switch the recipe turns off itself keeps
+        its trick's settings quietly: that is how an ablation turns one trick off."""
+        if getattr(self, switch) != off or switch in self.model_fields_set:
+            return
+        unused = [f for f in fields if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].default]
+        if unused:
+            named = ", ".join(f"{where}.{f} = {getattr(self, f)!r}" for f in unused)
+            raise ValueError(f"{named} does nothing with {where}.{switch} = {off!r}: {turn_on}, or leave "
+                             f"{'it' if len(unused) == 1 else 'them'} at the default")
+
 
 # ------------------------------------------------------------------------------------------
 # Sections
@@ -146,6 +159,12 @@ class WhitenConfig(Section):
     padding: bool = Field(False, description="'same' padding (True) or valid convolution (False)")
     train_bias_epochs: float = Field(0.0, ge=0, description="epochs the whitening bias is trained for")
 
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("kernel", 0, ("eps", "samples", "negate", "activation", "padding", "train_bias_epochs"),
+                           "model.whiten", "set model.whiten.kernel (2 or 3) for a whitening layer")
+        return self
+
 
 class NormConfig(Section):
     ghost_batch: int = Field(0, ge=0, description="sub-batch size for ghost batch norm; 0 = whole batch")
@@ -257,6 +276,9 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _filter_decay(self):
+        self.refuse_unused("filters", "same", ("filter_lr", "filter_momentum", "ns_steps", "ns_precision",
+                                               "filter_norm_every", "filter_weight_decay"),
+                           "optim", "set optim.filters = orthogonal for orthogonalised filter updates")
         if self.filter_weight_decay and self.filters == "orthogonal" and self.filter_norm_every == 1:
             raise ValueError("optim.filter_weight_decay has no effect with optim.filter_norm_every = 1: the "
                              "filters' norms are reset every step, which undoes the decay; set it to 0, or "
@@ -324,6 +346,16 @@ class AveragingConfig(Section):
     decay: float = Field(0.95, ge=0, lt=1, description="EMA decay per update, or lookahead's final decay")
     power: float = Field(3.0, ge=0, description="lookahead decay ramps as decay * (step/total)**power")
 
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("kind", "none", ("every", "decay", "power"), "averaging",
+                           "set averaging.kind (ema or lookahead)")
+        if self.kind == "ema" and self.power != type(self).model_fields["power"].default:
+            raise ValueError(f"averaging.power = {self.power} does nothing with averaging.kind = ema (it ramps "
+                             "lookahead's decay; an EMA's is constant): set averaging.kind = lookahead, or leave "
+                             "averaging.power at the default")
+        return self
+
 
 class TrainConfig(Section):
     epochs: float = Field(gt=0, le=10_000)
@@ -349,6 +381,11 @@ class EvalConfig(Section):
                                 "the images the plain view is least confident about")
     every: int = Field(1, ge=0, description="epochs between monitoring evaluations; 0 = final only")
     batch_size: int = Field(1000, gt=0)
+
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("tta", "none", ("tta_fraction",), "eval", "set eval.tta (flip or flip_translate)")
+        return self
 
 
 class DistributedConfig(Section):
@@ -424,6 +461,10 @@ class Recipe(Section):
         if a.whole_epoch and self.data.prune:
             raise ValueError(f"augment.whole_epoch augments every image each epoch; data.prune={self.data.prune} "
                              "draws its batches from the images it keeps: set one of them off")
+        if a.low_res != "resize" and self.data.progressive is None:
+            raise ValueError(f"augment.low_res = {a.low_res} makes the smaller steps of data.progressive, which this "
+                             "recipe has none of, so it does nothing: set data.progressive (e.g. [[0.0, 0.75], "
+                             "[0.5, 1.0]]), or leave augment.low_res at the default")
         if a.low_res == "crop" and streamed:
             raise ValueError("augment.low_res = crop cuts windows from device-resident images (cifar10, "
                              "cifar100, fashion-mnist, npz); image folders are streamed: set augment.low_res = resize")
@@ -611,10 +652,12 @@ def describe_errors(err: ValidationError, source: str) -> str:
                 msg += f" (fields here: {', '.join(known)})"
         elif e["type"] == "missing":
             msg = f"recipe field '{field}' is required but missing"
+        elif e["type"] == "value_error" and not loc:       # a check across sections names its fields itself
+            msg = e["msg"].removeprefix("Value error, ")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            msg = f"bad recipe value for '{field}'{shown}: {e['msg']}"
+            msg = f"bad recipe value for '{field}'{shown}: {e['msg'].removeprefix('Value error, ')}"
         lines.append(msg)
     return f"{source}: " + "; ".join(lines)
 
