@@ -410,6 +410,11 @@ class RuntimeConfig(Section):
         "autocast", description="how bf16/fp16 is applied: autocast (fp32 weights, each op cast as it runs) or model "
         "(the weights, optimizer state and activations stored in the compute dtype end to end, batch norm and its "
         "statistics in fp32, no per-step casts; what the CIFAR-10 records do)")
+    master_weights: Literal["none", "fp32"] = Field(
+        "none", description="with runtime.cast = model: none (the optimizer updates the stored bf16/fp16 weights, "
+        "where an update below half a bf16 step, 0.2% to 0.4% of the weight, is rounded away) or fp32 (the optimizer and the weight "
+        "averaging update fp32 copies of the weights, with fp32 state, from the step's low-precision gradients, and "
+        "the model gets the copies rounded after each step)")
     channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
     hold_memory: Literal["auto", "on", "off"] = Field(
@@ -420,6 +425,14 @@ class RuntimeConfig(Section):
         "matrix products (gemm), or auto = each shape timed both ways in its first step and the products kept "
         "where they are clearly faster (opt-in: a resumed or repeated run may time a shape differently); "
         "elsewhere always torch's")
+
+    @model_validator(mode="after")
+    def _used(self):
+        if self.master_weights != "none" and self.cast != "model":
+            raise ValueError(f"runtime.master_weights = {self.master_weights} does nothing with runtime.cast = "
+                             f"{self.cast} (autocast keeps the weights in fp32 already): set runtime.cast = model, or "
+                             "leave runtime.master_weights at the default")
+        return self
 
 
 class Recipe(Section):
