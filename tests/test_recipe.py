@@ -155,3 +155,46 @@ def test_with_values_sets_python_values_and_checks_them_as_a_loaded_recipe_is():
     with pytest.raises(RecipeError, match="fashion-mnist: data.batch_size.x: 'batch_size' is a value, not a section"):
         r.with_values({"data.batch_size.x": 1})
     assert r.to_dict() == before
+
+
+# A setting of a trick that is off does nothing; a user sweeping it would time a no-op.
+NO_OPS = [
+    ("cifar10-94-fast", ["augment.low_res=bilinear_in_step"], "augment.low_res = bilinear_in_step", "data.progressive"),
+    ("cifar10-94-fast", ["augment.low_res=crop"], "augment.low_res = crop", "data.progressive"),
+    ("imagenet-resnet50", ["eval.tta_fraction=0.25"], "eval.tta_fraction = 0.25", "eval.tta = 'none'"),
+    ("cifar10-94", ["optim.filter_lr=0.3", "optim.ns_steps=5"], "optim.filter_lr = 0.3, optim.ns_steps = 5",
+     "optim.filters = 'same'"),
+    ("imagenet-resnet50", ["averaging.decay=0.9"], "averaging.decay = 0.9", "averaging.kind = 'none'"),
+    ("page-resnet9", ["averaging.power=2.0"], "averaging.power = 2.0", "averaging.kind = ema"),
+    ("dawnbench-resnet18", ["model={name='speednet', widths=[8, 16, 16], whiten={eps=0.01}}"],
+     "model.whiten.eps = 0.01", "model.whiten.kernel = 0"),
+]
+
+
+@pytest.mark.parametrize("recipe, sets, field, needs", NO_OPS, ids=[s[0] for _, s, _, _ in NO_OPS])
+def test_a_setting_that_does_nothing_is_refused_naming_what_it_needs(recipe, sets, field, needs, cli, tmp_path,
+                                                                     monkeypatch):
+    from test_failures import assert_unchanged, check_refused, snapshot
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    args = [a for s in sets for a in ("--set", s)]
+    err = check_refused(cli("train", recipe, *args, "--data-dir", tmp_path / "data", "--out", tmp_path / "run"),
+                        2, field, needs, "does nothing")
+    assert err.count("\n") == 1
+    assert_unchanged(tmp_path, before)
+
+
+def test_a_trick_turned_off_keeps_its_settings_and_a_trick_turned_on_uses_them():
+    """The switch turned off by the recipe (an ablation) leaves the trick's settings as they
+    were; with the switch on, the same settings load; a value at its default is never refused."""
+    assert load_recipe("cifar10-94-fast", ["eval.tta=none"]).eval.tta_fraction == 0.25
+    assert load_recipe("cifar10-94-fast", ["optim.filters=same"]).optim.filter_lr == 0.24
+    assert load_recipe("cifar10-94", ["averaging.kind=none"]).averaging.decay != 0.95
+    assert load_recipe("cifar10-94", ["model.whiten.kernel=0"]).model.whiten.train_bias_epochs == 3
+    assert load_recipe("imagenet-resnet50", ["eval.tta=flip", "eval.tta_fraction=0.25"]).eval.tta_fraction == 0.25
+    assert load_recipe("cifar10-94-fast", ["augment.low_res=bilinear_in_step",
+                                           "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"]).augment.low_res \
+        == "bilinear_in_step"
+    assert load_recipe("imagenet-resnet50", ["eval.tta_fraction=1.0", "averaging.decay=0.95"]).eval.tta == "none"
+    again = load_recipe("cifar10-94-fast", ["eval.tta=none"])                     # a run's config.toml loads again
+    assert recipe_from_dict(again.to_dict()) == again

@@ -29,6 +29,19 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def refuse_unused(self, switch: str, off: Any, fields: tuple[str, ...], where: str, turn_on: str) -> None:
+        """Refuse the ``fields`` set away from their defaults while ``switch`` is at ``off``,
+        its default, where they do nothing: one message naming them and the switch they need
+        (``where`` is this section's dotted path). A switch the recipe turns off itself keeps
+        its trick's settings quietly: that is how an ablation turns one trick off."""
+        if getattr(self, switch) != off or switch in self.model_fields_set:
+            return
+        unused = [f for f in fields if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].default]
+        if unused:
+            named = ", ".join(f"{where}.{f} = {getattr(self, f)!r}" for f in unused)
+            raise ValueError(f"{named} does nothing with {where}.{switch} = {off!r}: {turn_on}, or leave "
+                             f"{'it' if len(unused) == 1 else 'them'} at the default")
+
 
 # ------------------------------------------------------------------------------------------
 # Sections
@@ -146,6 +159,12 @@ class WhitenConfig(Section):
     padding: bool = Field(False, description="'same' padding (True) or valid convolution (False)")
     train_bias_epochs: float = Field(0.0, ge=0, description="epochs the whitening bias is trained for")
 
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("kernel", 0, ("eps", "samples", "negate", "activation", "padding", "train_bias_epochs"),
+                           "model.whiten", "set model.whiten.kernel (2 or 3) for a whitening layer")
+        return self
+
 
 class NormConfig(Section):
     ghost_batch: int = Field(0, ge=0, description="sub-batch size for ghost batch norm; 0 = whole batch")
@@ -257,6 +276,9 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _filter_decay(self):
+        self.refuse_unused("filters", "same", ("filter_lr", "filter_momentum", "ns_steps", "ns_precision",
+                                               "filter_norm_every", "filter_weight_decay"),
+                           "optim", "set optim.filters = orthogonal for orthogonalised filter updates")
         if self.filter_weight_decay and self.filters == "orthogonal" and self.filter_norm_every == 1:
             raise ValueError("optim.filter_weight_decay has no effect with optim.filter_norm_every = 1: the "
                              "filters' norms are reset every step, which undoes the decay; set it to 0, or "
@@ -324,6 +346,16 @@ class AveragingConfig(Section):
     decay: float = Field(0.95, ge=0, lt=1, description="EMA decay per update, or lookahead's final decay")
     power: float = Field(3.0, ge=0, description="lookahead decay ramps as decay * (step/total)**power")
 
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("kind", "none", ("every", "decay", "power"), "averaging",
+                           "set averaging.kind (ema or lookahead)")
+        if self.kind == "ema" and self.power != type(self).model_fields["power"].default:
+            raise ValueError(f"averaging.power = {self.power} does nothing with averaging.kind = ema (it ramps "
+                             "lookahead's decay; an EMA's is constant): set averaging.kind = lookahead, or leave "
+                             "averaging.power at the default")
+        return self
+
 
 class TrainConfig(Section):
     epochs: float = Field(gt=0, le=10_000)
@@ -350,6 +382,11 @@ class EvalConfig(Section):
     every: int = Field(1, ge=0, description="epochs between monitoring evaluations; 0 = final only")
     batch_size: int = Field(1000, gt=0)
 
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("tta", "none", ("tta_fraction",), "eval", "set eval.tta (flip or flip_translate)")
+        return self
+
 
 class DistributedConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = "
@@ -373,6 +410,11 @@ class RuntimeConfig(Section):
         "autocast", description="how bf16/fp16 is applied: autocast (fp32 weights, each op cast as it runs) or model "
         "(the weights, optimizer state and activations stored in the compute dtype end to end, batch norm and its "
         "statistics in fp32, no per-step casts; what the CIFAR-10 records do)")
+    master_weights: Literal["none", "fp32"] = Field(
+        "none", description="with runtime.cast = model: none (the optimizer updates the stored bf16/fp16 weights, "
+        "where an update below half a bf16 step, 0.2% to 0.4% of the weight, is rounded away) or fp32 (the optimizer and the weight "
+        "averaging update fp32 copies of the weights, with fp32 state, from the step's low-precision gradients, and "
+        "the model gets the copies rounded after each step)")
     channels_last: bool = Field(True, description="NHWC memory layout for images and conv weights")
     find_batch: bool = Field(False, description="halve data.batch_size on out-of-memory until it fits")
     threads: Literal["auto"] | Annotated[int, Field(ge=1, le=1024)] = Field(
@@ -387,6 +429,14 @@ class RuntimeConfig(Section):
         "matrix products (gemm), or auto = each shape timed both ways in its first step and the products kept "
         "where they are clearly faster (opt-in: a resumed or repeated run may time a shape differently); "
         "elsewhere always torch's")
+
+    @model_validator(mode="after")
+    def _used(self):
+        if self.master_weights != "none" and self.cast != "model":
+            raise ValueError(f"runtime.master_weights = {self.master_weights} does nothing with runtime.cast = "
+                             f"{self.cast} (autocast keeps the weights in fp32 already): set runtime.cast = model, or "
+                             "leave runtime.master_weights at the default")
+        return self
 
 
 class Recipe(Section):
@@ -428,6 +478,10 @@ class Recipe(Section):
         if a.whole_epoch and self.data.prune:
             raise ValueError(f"augment.whole_epoch augments every image each epoch; data.prune={self.data.prune} "
                              "draws its batches from the images it keeps: set one of them off")
+        if a.low_res != "resize" and self.data.progressive is None:
+            raise ValueError(f"augment.low_res = {a.low_res} makes the smaller steps of data.progressive, which this "
+                             "recipe has none of, so it does nothing: set data.progressive (e.g. [[0.0, 0.75], "
+                             "[0.5, 1.0]]), or leave augment.low_res at the default")
         if a.low_res == "crop" and streamed:
             raise ValueError("augment.low_res = crop cuts windows from device-resident images (cifar10, "
                              "cifar100, fashion-mnist, npz); image folders are streamed: set augment.low_res = resize")
@@ -615,10 +669,12 @@ def describe_errors(err: ValidationError, source: str) -> str:
                 msg += f" (fields here: {', '.join(known)})"
         elif e["type"] == "missing":
             msg = f"recipe field '{field}' is required but missing"
+        elif e["type"] == "value_error" and not loc:       # a check across sections names its fields itself
+            msg = e["msg"].removeprefix("Value error, ")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            msg = f"bad recipe value for '{field}'{shown}: {e['msg']}"
+            msg = f"bad recipe value for '{field}'{shown}: {e['msg'].removeprefix('Value error, ')}"
         lines.append(msg)
     return f"{source}: " + "; ".join(lines)
 

@@ -97,6 +97,39 @@ class LossScale:
         torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.GROWTH, self.BACKOFF, self.INTERVAL)
 
 
+class MasterWeights:
+    """fp32 copies of the parameters of a model stored in bf16/fp16 (``runtime.master_weights =
+    "fp32"``), which the optimizer and the weight averaging update in place of the parameters:
+    an update smaller than half a step of the low-precision format is then kept, not rounded
+    away. Each step the model's gradients are copied into the copies' own fp32 ``.grad``
+    (allocated once), and after the update the model gets the copies rounded."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.low = list(params)
+        self.high = [p.detach().float().clone() for p in self.low]
+        for h in self.high:
+            h.grad = torch.zeros_like(h)
+        self.stand_ins = {id(p): h for p, h in zip(self.low, self.high)}
+
+    @torch.no_grad()
+    def take_grads(self) -> None:
+        """The model's gradients (this step's) into the fp32 copies' ``.grad``."""
+        torch._foreach_copy_([h.grad for h in self.high], [p.grad for p in self.low])
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The model's weights from the fp32 copies (rounded to its dtype)."""
+        torch._foreach_copy_(self.low, self.high)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The copies from the model's weights (a new run, or a resumed one without saved copies)."""
+        torch._foreach_copy_(self.high, self.low)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.high + [h.grad for h in self.high]
+
+
 class StepPrecision:
     """The precision a training step runs in (see the module docstring): autocast, and with
     fp16 the loss scale, the overflow check and the revert. Its device tensors are allocated

@@ -63,6 +63,7 @@ class Runtime:
     hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
     conv_weight_grad: str = "torch"        # 3x3 weight gradients: torch's, gemm, or auto (models/weight_grad.py)
     cast: str = "autocast"                 # bf16/fp16 by autocast, or the model stored in it (runtime.cast)
+    master_weights: str = "none"           # fp32 copies of a low-precision model for the update (runtime.master_weights)
     threads: int = 0                       # CPU operator threads (engine/threads.py); 0 = as the process has them
 
     @property
@@ -85,6 +86,11 @@ class Runtime:
     def low_precision_model(self) -> bool:
         """Whether the model's weights are stored in the compute dtype (``runtime.cast = "model"``)."""
         return self.cast == "model" and self.precision != "fp32"
+
+    @property
+    def fp32_master_weights(self) -> bool:
+        """Whether the update runs on fp32 copies of a low-precision model (``runtime.master_weights``)."""
+        return self.low_precision_model and self.master_weights == "fp32"
 
     def autocast(self):
         """The forward's precision context: autocast to the compute dtype, or nothing where the
@@ -154,6 +160,7 @@ class Runtime:
                 "compile_backend": self.compile_backend if self.compile else None,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
                 "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
+                "master_weights": self.master_weights,
                 "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
                 "runtime_choices": list(self.choices)}
 
@@ -313,7 +320,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if cfg.cast == "model" and precision == "fp32":
         choices.append("runtime.cast=model has nothing to cast in fp32: the model stays fp32")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
-                   wgrad, cfg.cast, n_threads)
+                   wgrad, cfg.cast, cfg.master_weights, n_threads)
 
 
 # ------------------------------------------------------------------------------------------

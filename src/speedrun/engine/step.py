@@ -42,9 +42,10 @@ import torch.nn.functional as F
 
 from ..optim import ScheduleTables, build_averager, build_optimizer
 from ..optim.orthogonal import ns_dtype
+from ..optim.params import classify
 from ..recipe import Recipe
 from .loss import TrainingLoss
-from .precision import StepPrecision
+from .precision import MasterWeights, StepPrecision
 from .runtime import Runtime, compile_function
 
 WHITEN_FROZEN = frozenset({"whiten_bias"})
@@ -75,10 +76,16 @@ class TrainStep:
         self.no_sync, self.total, self.k = no_sync, total_steps, r.train.accumulate
         self.precision = StepPrecision(runtime)
         self.loss = TrainingLoss(r, step_shapes, device, teacher, runtime.autocast)
+        # with fp32 master weights the optimizer and the averaging update fp32 copies of the
+        # parameters (self.params), and the model's own (self.model_params) get them rounded
+        self.masters = MasterWeights([p for params in classify(model).values() for p in params]) \
+            if runtime.fp32_master_weights else None
+        stand_ins = self.masters.stand_ins if self.masters is not None else None
         self.opt = build_optimizer(model, r.optim, r.data.batch_size,
-                                   ns_dtype(r.optim.ns_precision, device.type, runtime.precision))
+                                   ns_dtype(r.optim.ns_precision, device.type, runtime.precision), stand_ins)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
-        self.averager = build_averager(model, r.averaging, total_steps)
+        self.model_params = self.masters.low if self.masters is not None else self.params
+        self.averager = build_averager(model, r.averaging, total_steps, stand_ins)
         self.schedule = ScheduleTables(r.schedule, r.optim.momentum, total_steps, steps_per_epoch, device)
         whitened = getattr(model, "whiten", None) is not None
         self.whiten_steps = round(r.model.whiten.train_bias_epochs * steps_per_epoch) if whitened else 0
@@ -91,7 +98,7 @@ class TrainStep:
         # Compiled steps and DDP keep the LR-0 freeze (a fixed graph and a fixed set of
         # gradients to reduce).
         self.freezable = [p for g in self.opt.param_groups if g["name"] in WHITEN_FROZEN for p in g["params"]] \
-            if drop_frozen_grads(runtime.compile, module is model) else []
+            if drop_frozen_grads(runtime.compile, module is model) and self.masters is None else []
         self._forward_loss, self._update = self.forward_loss, self.update
         if runtime.compile:
             if runtime.cuda_graphs:                   # CUDA graphs read and write these at fixed addresses
@@ -124,7 +131,7 @@ class TrainStep:
         self.loss.record(per_image)
         self._update(losses, corrects)
         self.steps_done += 1                          # (outside the compiled update, which must not read it)
-        for p in self.params:
+        for p in self.model_params:
             p.grad = None
 
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor, share: float, weight: torch.Tensor | None = None,
@@ -151,6 +158,8 @@ class TrainStep:
         at = (step % self.total).reshape(1)     # (drivers that profile may run more steps than a run has)
         lr_mult, momentum = self.schedule.at(at)
         state = self.opt.state_tensors()
+        if self.masters is not None:
+            self.masters.take_grads()
         overflow, grad_scale, before = self.precision.check(self.params, state)
         self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps, grad_scale)
         self.precision.settle(overflow, before, self.params + state)   # an overflow leaves them as they were
@@ -158,6 +167,8 @@ class TrainStep:
             # compiled: every-N decided on the device (one graph for every step); eager: on the
             # host, which knows the step number, so the steps between averages skip the work
             self.averager.update(step + 1 if self.runtime.compile else self.steps_done + 1)
+        if self.masters is not None:
+            self.masters.write_back()
         row = torch.stack([sum(losses), sum(corrects).float(), overflow[0]])
         self.metrics.index_copy_(0, at, row[None])
         self.counter.add_(1)
@@ -188,6 +199,8 @@ class TrainStep:
         out = self.opt.state_tensors() + [self.counter, self.metrics] + self.schedule.state_tensors()
         if self.averager is not None:
             out += self.averager.shadow
+        if self.masters is not None:
+            out += self.masters.state_tensors()
         return out + self.precision.state_tensors() + self.loss.state_tensors()
 
     @torch.no_grad()
@@ -196,6 +209,8 @@ class TrainStep:
         zero, average = the weights, loss scale back to its start, counter and metrics zero,
         the schedule restored, mixing drawn from ``seed``."""
         self.opt.reset()
+        if self.masters is not None:
+            self.masters.reset()
         if self.averager is not None:
             self.averager.reset()
         self.precision.reset()
@@ -220,7 +235,8 @@ class TrainStep:
     def state_dict(self) -> dict:
         return {"optimizer": self.opt.state_dict(), "counter": int(self.counter),
                 "averager": [t.detach().cpu().clone() for t in self.averager.shadow] if self.averager else None,
-                "scaler": self.precision.state_dict(), "metrics": self.metrics.cpu().clone()}
+                "scaler": self.precision.state_dict(), "metrics": self.metrics.cpu().clone(),
+                "masters": [t.detach().cpu().clone() for t in self.masters.high] if self.masters else None}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -230,3 +246,8 @@ class TrainStep:
         if self.averager is not None and state["averager"] is not None:
             torch._foreach_copy_(self.averager.shadow, [t.to(self.counter.device) for t in state["averager"]])
         self.precision.load_state_dict(state["scaler"])
+        if self.masters is not None:
+            if state.get("masters") is not None:
+                torch._foreach_copy_(self.masters.high, [t.to(self.counter.device) for t in state["masters"]])
+            else:
+                self.masters.reset()

@@ -20,10 +20,20 @@ def state_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 class WeightAverage:
-    def __init__(self, model: nn.Module, cfg: AveragingConfig, total_steps: int):
+    def __init__(self, model: nn.Module, cfg: AveragingConfig, total_steps: int,
+                 stand_ins: dict[int, torch.Tensor] | None = None):
+        """``stand_ins``: fp32 copies that stand in for some of the model's tensors (by id),
+        averaged in their place; :meth:`finalize` and :meth:`applied` round them into the model."""
         self.cfg, self.total = cfg, total_steps
-        self.live = state_tensors(model)
+        stand_ins = stand_ins or {}
+        state = state_tensors(model)
+        self.live = [stand_ins.get(id(t), t) for t in state]
         self.shadow = [t.detach().clone() for t in self.live]
+        self._mirrored = ([t for t in state if id(t) in stand_ins], [stand_ins[id(t)] for t in state if id(t) in stand_ins])
+
+    def _mirror(self) -> None:
+        if self._mirrored[0]:
+            torch._foreach_copy_(*self._mirrored)
 
     def decay_at(self, step):
         """The decay after optimizer step ``step`` (an int, or a device tensor in the step)."""
@@ -66,6 +76,7 @@ class WeightAverage:
     def finalize(self) -> None:
         """Put the averaged weights into the model for good."""
         torch._foreach_copy_(self.live, self.shadow)
+        self._mirror()
 
     @contextmanager
     @torch.no_grad()
@@ -73,11 +84,14 @@ class WeightAverage:
         """Temporarily swap the averaged weights into the model (for a monitoring eval)."""
         saved = [t.clone() for t in self.live]
         torch._foreach_copy_(self.live, self.shadow)
+        self._mirror()
         try:
             yield
         finally:
             torch._foreach_copy_(self.live, saved)
+            self._mirror()
 
 
-def build_averager(model: nn.Module, cfg: AveragingConfig, total_steps: int) -> WeightAverage | None:
-    return None if cfg.kind == "none" else WeightAverage(model, cfg, total_steps)
+def build_averager(model: nn.Module, cfg: AveragingConfig, total_steps: int,
+                   stand_ins: dict[int, torch.Tensor] | None = None) -> WeightAverage | None:
+    return None if cfg.kind == "none" else WeightAverage(model, cfg, total_steps, stand_ins)

@@ -56,7 +56,8 @@ def step_lr(cfg: OptimConfig, batch_size: int) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
-                    ns_dtype: torch.dtype | None = None) -> Optimizer | OptimizerList:
+                    ns_dtype: torch.dtype | None = None,
+                    stand_ins: dict[int, torch.Tensor] | None = None) -> Optimizer | OptimizerList:
     """SGD, LARS or LAMB (by ``cfg.name``) with one group per parameter role.
 
     Each group carries ``name`` (its role), ``base_lr`` (its LR at schedule multiplier 1) and
@@ -67,6 +68,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
     mults = {"norm_bias": cfg.norm_bias_lr_mult, "whiten_bias": cfg.whiten_bias_lr_mult}
     groups = []
     roles = classify(model)
+    if stand_ins:               # the tensors updated in the parameters' place (fp32 master weights), by id
+        roles = {kind: [stand_ins.get(id(p), p) for p in params] for kind, params in roles.items()}
     filters = None
     if cfg.filters == "orthogonal":
         filters = [p for p in roles.get("weight", []) if p.ndim == 4]
