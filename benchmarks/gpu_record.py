@@ -4,12 +4,18 @@ on random CIFAR-shaped data (``--synthetic``), timed and optionally profiled by 
 
 Real mode (the record for a GPU, e.g. against Keller Jordan's airbench):
 
-    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --out benchmarks/results/NAME.json \\
-        --system speedrun:cifar10-94 --system speedrun:cifar10-94-fast \\
-        --system 'speedrun:cifar10-94-fast@runtime.compile_mode=reduce-overhead' \\
-        --system peer:/path/to/airbench94_muon.py --system peer:/path/to/legacy/airbench94.py \\
+    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --commit SHA [--out FILE.json] \\
+        --system peer:/path/to/airbench94_muon.py#210 --system speedrun:cifar10-94-fast#75 \\
+        --system 'speedrun:cifar10-94-fast@runtime.compile_mode=reduce-overhead#75' \\
+        --system speedrun:cifar10-94 --system peer:/path/to/legacy/airbench94.py \\
         [--pair cifar10-94-fast:airbench94_muon.py ...] [--device cuda|cpu] [--set KEY=VALUE ...] \\
-        [--commit SHA] [--work DIR] [--budget SECONDS]
+        [--work DIR] [--budget SECONDS] [--limit SECONDS]
+
+On a lent GPU machine, which returns only the files under ``$OUT``, leave ``--out`` out: the
+record is written to ``$OUT/gpu-record.json`` (``$OUT/gpu-record-synthetic.json`` with
+``--synthetic``); without $OUT, ``--out`` is required. Arguments can also come from a file,
+``@FILE`` (one or more a line, ``#`` comment lines): ``benchmarks/lending/`` holds the two calls
+of a lending.
 
 - ``speedrun:RECIPE[@KEY=VALUE...]``: ``python -m speedrun bench RECIPE --runs N`` in its own
   process (its warm-up, then N seeded runs in that process); ``--set`` applies to every
@@ -19,7 +25,14 @@ Real mode (the record for a GPU, e.g. against Keller Jordan's airbench):
   ``test.pt`` have been written from DIR/cifar-10-batches-py: the script's warm-up as its
   ``__main__`` does it, then N runs, each read from its own logging (timer and TTA accuracy).
 - ``--pair A:B`` (system names: a speedrun system as written after ``speedrun:``, a peer by
-  its file name): A's mean time over B's, and both accuracies.
+  its file name): A's mean and median time over B's, both accuracies, and the per-seed
+  accuracy difference where both ran the same seeds.
+- ``SPEC#SECONDS`` (or ``--limit SECONDS`` for all): the system's time limit. Its whole process
+  group is stopped there; the runs it finished stay in the record, the entry marked ``cut``.
+  With ``--budget SECONDS`` (the call's time) a system starts only if its limit fits in what is
+  left (one without a limit starts while any is left and is stopped at the end), else it is
+  listed in ``left_out`` with the reason. Systems compiling with ``max-autotune``
+  (airbench94_muon.py: about 140 s of warm-up) run first, the rest in the order given.
 
 Synthetic mode (timing variants without data on the machine):
 
@@ -28,12 +41,16 @@ Synthetic mode (timing variants without data on the machine):
         [--n-train 50000 --n-test 10000] [--set KEY=VALUE ...] --out benchmarks/results/NAME.json
 
 Random uint8 images of CIFAR's shapes (3 x 32 x 32, 10 classes) as an ``.npz`` in a temporary
-folder (deleted afterwards); each variant (``NAME`` or ``NAME:KEY=VALUE@KEY=VALUE``) in its own
+folder (deleted afterwards); each variant (``NAME`` or ``NAME:KEY=VALUE@KEY=VALUE``, a limit
+after ``#`` as for systems) in its own
 process: build and warm up (compile), N timed runs, and with ``--profile`` one more run under
 torch.profiler: kernel time by kind (CUDA kernels on a GPU, CPU ops' own time on a CPU), total
 kernel time against the run's seconds, and kernels per training step. Accuracies on random
 labels mean nothing: only the times do.
 
+Every timed run records its recompiles (graphs compiled during it: 0 when the warm-up covered
+everything); each summary holds means, medians, sd and 95% intervals of the seconds and the TTA
+accuracy; each entry its warm-up (compile) seconds and ``nvidia-smi``'s clocks after it.
 What each timed figure holds is in the record's ``definitions``. The record is written
 (atomically) after every system or variant, so a command cut short keeps what finished; the
 commit is read when the script starts (``--commit``, else $SPEEDRUN_COMMIT, else
@@ -88,6 +105,10 @@ DEFINITIONS = {
     "peer.warmup_seconds": "wall time of the set-up statements of the peer's __main__ block (models built and "
                            "compiled as it does) plus its main('warmup', ...) run, synchronised at the end",
     "process_wall_seconds": "the system's whole subprocess, from before its interpreter starts to its exit",
+    "runs.recompiles": "graphs dynamo compiled during the timed run (speedrun: its loop's count; peers: dynamo's "
+                       "count around the main(run, ...) call); 0 when the warm-up compiled everything",
+    "cut": "the system's process group was stopped at limit_seconds (limit_from: its own limit, or the end of "
+           "--budget); its runs are those it finished before, and its summary is over them",
     "pairs.time_ratio": "mean seconds of A over mean seconds of B (each system's own timed region, above)",
     "synthetic.seconds": "as speedrun.seconds, on the random data",
     "synthetic.warmup_seconds": "as speedrun.warmup_seconds; build_and_warmup_seconds adds building the model",
