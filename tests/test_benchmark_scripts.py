@@ -233,6 +233,8 @@ def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_not
              (["--system", "airbench94_muon.py"], "expected speedrun:RECIPE"),
              (["--system", "speedrun:cifar10-94@model.widths"], "is not KEY=VALUE"),
              (["--system", "speedrun:cifar10-94-fsat"], "did you mean 'cifar10-94-fast'"),
+             (["--system", "speedrun:cifar10-94#soon"], "SPEC#SECONDS with SECONDS above 0"),
+             (["--system", "speedrun:cifar10-94", "--limit", "0"], "--limit and --budget are seconds above 0"),
              (["--system", "speedrun:cifar10-94", "--data-dir", tmp_path], "no CIFAR-10 python batches"),
              (["--system", "speedrun:cifar10-94", "--data-dir", data_dir, "--pair", "cifar10-94:airbench94.py"],
               "--pair"),
