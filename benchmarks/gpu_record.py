@@ -4,12 +4,18 @@ on random CIFAR-shaped data (``--synthetic``), timed and optionally profiled by 
 
 Real mode (the record for a GPU, e.g. against Keller Jordan's airbench):
 
-    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --out benchmarks/results/NAME.json \\
-        --system speedrun:cifar10-94 --system speedrun:cifar10-94-fast \\
-        --system 'speedrun:cifar10-94-fast@runtime.compile_mode=reduce-overhead' \\
-        --system peer:/path/to/airbench94_muon.py --system peer:/path/to/legacy/airbench94.py \\
+    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --commit SHA [--out FILE.json] \\
+        --system peer:/path/to/airbench94_muon.py#210 --system speedrun:cifar10-94-fast#75 \\
+        --system 'speedrun:cifar10-94-fast@runtime.compile_mode=reduce-overhead#75' \\
+        --system speedrun:cifar10-94 --system peer:/path/to/legacy/airbench94.py \\
         [--pair cifar10-94-fast:airbench94_muon.py ...] [--device cuda|cpu] [--set KEY=VALUE ...] \\
-        [--commit SHA] [--work DIR] [--budget SECONDS]
+        [--work DIR] [--budget SECONDS] [--limit SECONDS]
+
+On a lent GPU machine, which returns only the files under ``$OUT``, leave ``--out`` out: the
+record is written to ``$OUT/gpu-record.json`` (``$OUT/gpu-record-synthetic.json`` with
+``--synthetic``); without $OUT, ``--out`` is required. Arguments can also come from a file,
+``@FILE`` (one or more a line, ``#`` comment lines): ``benchmarks/lending/`` holds the two calls
+of a lending.
 
 - ``speedrun:RECIPE[@KEY=VALUE...]``: ``python -m speedrun bench RECIPE --runs N`` in its own
   process (its warm-up, then N seeded runs in that process); ``--set`` applies to every
@@ -19,7 +25,14 @@ Real mode (the record for a GPU, e.g. against Keller Jordan's airbench):
   ``test.pt`` have been written from DIR/cifar-10-batches-py: the script's warm-up as its
   ``__main__`` does it, then N runs, each read from its own logging (timer and TTA accuracy).
 - ``--pair A:B`` (system names: a speedrun system as written after ``speedrun:``, a peer by
-  its file name): A's mean time over B's, and both accuracies.
+  its file name): A's mean and median time over B's, both accuracies, and the per-seed
+  accuracy difference where both ran the same seeds.
+- ``SPEC#SECONDS`` (or ``--limit SECONDS`` for all): the system's time limit. Its whole process
+  group is stopped there; the runs it finished stay in the record, the entry marked ``cut``.
+  With ``--budget SECONDS`` (the call's time) a system starts only if its limit fits in what is
+  left (one without a limit starts while any is left and is stopped at the end), else it is
+  listed in ``left_out`` with the reason. Systems compiling with ``max-autotune``
+  (airbench94_muon.py: about 140 s of warm-up) run first, the rest in the order given.
 
 Synthetic mode (timing variants without data on the machine):
 
@@ -28,12 +41,16 @@ Synthetic mode (timing variants without data on the machine):
         [--n-train 50000 --n-test 10000] [--set KEY=VALUE ...] --out benchmarks/results/NAME.json
 
 Random uint8 images of CIFAR's shapes (3 x 32 x 32, 10 classes) as an ``.npz`` in a temporary
-folder (deleted afterwards); each variant (``NAME`` or ``NAME:KEY=VALUE@KEY=VALUE``) in its own
+folder (deleted afterwards); each variant (``NAME`` or ``NAME:KEY=VALUE@KEY=VALUE``, a limit
+after ``#`` as for systems) in its own
 process: build and warm up (compile), N timed runs, and with ``--profile`` one more run under
 torch.profiler: kernel time by kind (CUDA kernels on a GPU, CPU ops' own time on a CPU), total
 kernel time against the run's seconds, and kernels per training step. Accuracies on random
 labels mean nothing: only the times do.
 
+Every timed run records its recompiles (graphs compiled during it: 0 when the warm-up covered
+everything); each summary holds means, medians, sd and 95% intervals of the seconds and the TTA
+accuracy; each entry its warm-up (compile) seconds and ``nvidia-smi``'s clocks after it.
 What each timed figure holds is in the record's ``definitions``. The record is written
 (atomically) after every system or variant, so a command cut short keeps what finished; the
 commit is read when the script starts (``--commit``, else $SPEEDRUN_COMMIT, else
@@ -45,15 +62,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +77,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path[:0] = [str(ROOT / "src"), str(BENCH)]
 
-from peer_runner import CIFAR_FILES, PeerError, check_script, write_cifar10_pt  # noqa: E402
+from peer_runner import CIFAR_FILES, PeerError, check_script, long_warmup, write_cifar10_pt  # noqa: E402
+from record_figures import pair_figures, print_table, summarize  # noqa: E402
+from time_limits import Budget, ChildRun, Slot, run_limited, split_limit  # noqa: E402
 from throughput_common import machine, read_commit  # noqa: E402
 from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
@@ -87,6 +105,10 @@ DEFINITIONS = {
     "peer.warmup_seconds": "wall time of the set-up statements of the peer's __main__ block (models built and "
                            "compiled as it does) plus its main('warmup', ...) run, synchronised at the end",
     "process_wall_seconds": "the system's whole subprocess, from before its interpreter starts to its exit",
+    "runs.recompiles": "graphs dynamo compiled during the timed run (speedrun: its loop's count; peers: dynamo's "
+                       "count around the main(run, ...) call); 0 when the warm-up compiled everything",
+    "cut": "the system's process group was stopped at limit_seconds (limit_from: its own limit, or the end of "
+           "--budget); its runs are those it finished before, and its summary is over them",
     "pairs.time_ratio": "mean seconds of A over mean seconds of B (each system's own timed region, above)",
     "synthetic.seconds": "as speedrun.seconds, on the random data",
     "synthetic.warmup_seconds": "as speedrun.warmup_seconds; build_and_warmup_seconds adds building the model",
@@ -117,9 +139,11 @@ class System:
     overrides: list[str] = field(default_factory=list)
     path: Path | None = None
     aliases: tuple[str, ...] = ()
+    limit: float | None = None      # seconds its process may run (None: no limit)
+    long_warmup: bool = False       # compiles with max-autotune: run first
 
 
-SYSTEM_FORMS = "speedrun:RECIPE[@KEY=VALUE...] or peer:PATH/TO/SCRIPT.py"
+SYSTEM_FORMS = "speedrun:RECIPE[@KEY=VALUE...][#SECONDS] or peer:PATH/TO/SCRIPT.py[#SECONDS]"
 
 
 def parse_overrides(text: str, where: str) -> list[str]:
@@ -130,7 +154,17 @@ def parse_overrides(text: str, where: str) -> list[str]:
     return over
 
 
-def parse_system(spec: str, sets: list[str]) -> System:
+def with_limit(spec: str, default: float | None, where: str) -> tuple[str, float | None]:
+    """The spec without its ``#SECONDS`` suffix, and its limit (else ``default``)."""
+    try:
+        body, limit = split_limit(spec)
+    except ValueError as err:
+        refuse(f"{where} {err}")
+    return body, default if limit is None else limit
+
+
+def parse_system(given: str, sets: list[str], default_limit: float | None) -> System:
+    spec, limit = with_limit(given, default_limit, "--system")
     kind, sep, rest = spec.partition(":")
     if not sep or kind not in ("speedrun", "peer") or not rest:
         refuse(f"--system {spec!r}: expected {SYSTEM_FORMS}")
@@ -139,19 +173,27 @@ def parse_system(spec: str, sets: list[str]) -> System:
         if not path.is_file():
             refuse(f"--system {spec}: no peer script at {path}" + (" (a folder)" if path.is_dir() else ""))
         try:
-            check_script(path)
+            plan = check_script(path)
         except PeerError as err:
             refuse(f"--system {spec}: {err}")
-        return System("peer", path.name, spec, path=path.resolve(), aliases=(rest,))
+        return System("peer", path.name, spec, path=path.resolve(), aliases=(rest,), limit=limit,
+                      long_warmup=long_warmup(plan))
     recipe, _, tail = rest.partition("@")
     if not recipe:
         refuse(f"--system {spec!r}: no recipe before '@'; expected {SYSTEM_FORMS}")
     over = parse_overrides(tail, f"--system {spec}")
     try:
-        load_recipe(recipe, [*sets, *over])
+        settled = load_recipe(recipe, [*sets, *over])
     except SpeedrunError as err:
         refuse(f"--system {spec}: {err}")
-    return System("speedrun", rest, spec, recipe=recipe, overrides=over)
+    autotune = str(getattr(settled.runtime, "compile_mode", "")).startswith("max-autotune")
+    return System("speedrun", rest, spec, recipe=recipe, overrides=over, limit=limit, long_warmup=autotune)
+
+
+def run_order(systems: list[System]) -> list[System]:
+    """The systems as given, except that those compiling with max-autotune (airbench94_muon.py:
+    about 140 s of warm-up) come first: late in a call their limit would no longer fit the budget."""
+    return [s for s in systems if s.long_warmup] + [s for s in systems if not s.long_warmup]
 
 
 def parse_pair(spec: str, systems: list[System]) -> tuple[str, str]:
@@ -209,160 +251,130 @@ def child_env() -> dict:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-def run_child(cmd: list[str], log: Path, cwd: Path | None = None) -> tuple[int, float, str]:
-    """Run ``cmd``, echoing its output (indented) and keeping it in ``log``; (exit code, wall
-    seconds from before its start to its exit, the last lines of its output)."""
-    tail: deque[str] = deque(maxlen=40)
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                                env=child_env(), bufsize=1)
-        for line in proc.stdout:
-            out.write(line)
-            tail.append(line.rstrip("\n"))
-            print("    " + line.rstrip("\n"), flush=True)
-        rc = proc.wait()
-    return rc, time.perf_counter() - t0, "\n".join(tail)
-
-
 def slug(i: int, name: str) -> str:
     return f"{i:02d}-" + re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
 
 
-def summarize(runs: list[dict]) -> dict:
-    from speedrun.bench.stats import describe
-    secs = [r["seconds"] for r in runs]
-    out = {"runs": len(runs), "seconds": describe(secs), "test_acc": describe([r["test_acc"] for r in runs])}
-    if secs:
-        out["seconds"].update(min=min(secs), max=max(secs))
-    return out
+def run_child(cmd: list[str], log: Path, slot: Slot, entry: dict, cwd: Path | None = None) -> ChildRun:
+    """Run one system's or variant's process under its slot's time limit; the entry gets its
+    command, limit and whole-process seconds."""
+    entry.update(command=" ".join(["python", *cmd[1:]]), limit_seconds=slot.stop_after, limit_from=slot.stopped_by)
+    child = run_limited(cmd, log, child_env(), slot.stop_after, cwd)
+    entry["process_wall_seconds"] = child.wall
+    return child
 
 
-def run_speedrun(i: int, s: System, args, work: Path) -> dict:
+def settle(entry: dict, child: ChildRun, runs: int, slot: Slot, missing: str) -> dict:
+    """Whether the entry is complete; a process stopped at its limit is marked cut, and the runs
+    it finished stay in the entry."""
+    done = len(entry.get("runs", []))
+    if child.cut:
+        entry["cut"] = {"by": slot.stopped_by, "at_seconds": slot.stop_after, "runs_finished": done,
+                        "runs_asked": runs}
+    entry["ok"] = child.rc == 0 and not child.cut and done == runs
+    if not entry["ok"]:
+        why = (f"stopped by {slot.stopped_by} ({slot.stop_after:.0f} s) after {done} of {runs} runs" if child.cut
+               else f"exit code {child.rc}" if child.rc else missing)
+        entry.update(error=why, output_tail=child.tail)
+    entry["summary"] = summarize(entry.get("runs", []))
+    entry["gpu_after"] = gpu_state()
+    return entry
+
+
+def run_speedrun(i: int, s: System, args, work: Path, slot: Slot) -> dict:
     folder = work / slug(i, s.name)
     sets = [*args.sets, *s.overrides]
     cmd = [sys.executable, "-m", "speedrun", "bench", s.recipe, "--runs", str(args.runs), "--out", str(folder),
            *(["--data-dir", str(Path(args.data_dir).resolve())] if args.data_dir else []),
            *(["--device", args.device] if args.device else []), *[a for o in sets for a in ("--set", o)]]
-    entry = {"system": s.name, "kind": "speedrun", "spec": s.spec, "recipe": s.recipe, "overrides": sets,
-             "command": " ".join(["python", *cmd[1:]])}
+    entry = {"system": s.name, "kind": "speedrun", "spec": s.spec, "recipe": s.recipe, "overrides": sets}
     shutil.rmtree(folder, ignore_errors=True)                 # (a --work folder used before)
-    rc, wall, tail = run_child(cmd, work / f"{slug(i, s.name)}.log")
-    entry["process_wall_seconds"] = wall
+    child = run_child(cmd, work / f"{slug(i, s.name)}.log", slot, entry)
     path = folder / "bench.json"
     bench = json.loads(path.read_text()) if path.is_file() else None
     if bench:
         entry.update(warmup_seconds=bench["compile_seconds"], first_load_seconds=bench["first_load_seconds"],
                      runs=[{"seed": r["seed"], "test_acc": r["test_acc"], "test_acc_no_tta": r["test_acc_no_tta"],
                             "seconds": r["times"]["train+eval"], "times": r["times"], "steps": r["steps"],
-                            "epochs": r["epochs"]} for r in bench["runs"]],
+                            "epochs": r["epochs"], "recompiles": r.get("recompiles")} for r in bench["runs"]],
                      recipe_hash=bench["recipe_hash"], recipe_config=bench["recipe_config"],
                      flops=bench.get("flops"), environment=bench["environment"])
-    entry["ok"] = rc == 0 and bench is not None and len(entry.get("runs", [])) == args.runs
-    if not entry["ok"]:
-        entry.update(error=f"exit code {rc}" if rc else "bench.json incomplete", output_tail=tail)
-    return entry
+    return settle(entry, child, args.runs, slot, "bench.json incomplete")
 
 
-def run_peer(i: int, s: System, args, work: Path, data: Path) -> dict:
+def run_peer(i: int, s: System, args, work: Path, data: Path, slot: Slot) -> dict:
     result_path = work / f"{slug(i, s.name)}.json"
     cmd = [sys.executable, str(BENCH / "peer_runner.py"), str(s.path), "--runs", str(args.runs),
            "--result", str(result_path)]
     entry = {"system": s.name, "kind": "peer", "spec": s.spec, "script": str(s.path),
-             "script_sha256": hashlib.sha256(s.path.read_bytes()).hexdigest(), "command": " ".join(["python", *cmd[1:]]),
-             "cwd": str(data)}
+             "script_sha256": hashlib.sha256(s.path.read_bytes()).hexdigest(), "cwd": str(data)}
     result_path.unlink(missing_ok=True)
-    rc, wall, tail = run_child(cmd, work / f"{slug(i, s.name)}.log", cwd=data)
-    entry["process_wall_seconds"] = wall
+    child = run_child(cmd, work / f"{slug(i, s.name)}.log", slot, entry, cwd=data)
     result = json.loads(result_path.read_text()) if result_path.is_file() else None
     if result:
         entry.update(warmup_seconds=result["warmup_seconds"], warmup_own_seconds=result["warmup_own_seconds"],
                      import_seconds=result["import_seconds"], main_block=result["main_block"],
                      runs=[{k: r[k] for k in ("run", "test_acc", "test_acc_no_tta", "seconds", "timer",
-                                              "wall_seconds")} for r in result["runs"]],
+                                              "wall_seconds", "recompiles")} for r in result["runs"]],
                      environment={k: result[k] for k in ("torch_version", "cuda_version", "triton_version",
                                                          "cudnn_version", "gpu_name", "python_version",
                                                          "torch_threads")})
         if "note" in result:
             entry["note"] = result["note"]
-    entry["ok"] = rc == 0 and result is not None and len(entry.get("runs", [])) == args.runs
-    if not entry["ok"]:
-        entry.update(error=f"exit code {rc}" if rc else "its result is incomplete", output_tail=tail)
-    return entry
-
-
-def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
-    from speedrun.bench.stats import welch
-    out = []
-    for a, b in pairs:
-        ea, eb = entries.get(a), entries.get(b)
-        if not (ea and eb and ea.get("runs") and eb.get("runs")):
-            continue
-        ta, tb = [r["seconds"] for r in ea["runs"]], [r["seconds"] for r in eb["runs"]]
-        aa, ab = [r["test_acc"] for r in ea["runs"]], [r["test_acc"] for r in eb["runs"]]
-        ma, mb = sum(ta) / len(ta), sum(tb) / len(tb)
-        out.append({"a": a, "b": b, "time_ratio": ma / mb if mb else None, "seconds_a": ma, "seconds_b": mb,
-                    "test_acc_a": sum(aa) / len(aa), "test_acc_b": sum(ab) / len(ab),
-                    "test_acc_diff": sum(aa) / len(aa) - sum(ab) / len(ab),
-                    "time_welch_p": welch(tb, ta)["p"], "test_acc_welch_p": welch(ab, aa)["p"]})
-    return out
-
-
-def print_table(rows: list[dict], title: str) -> None:
-    print(f"\n{title}")
-    print(f"{'system':58s} {'runs':>4s} {'accuracy':>9s} {'seconds, mean ± sd':>20s} {'warm-up':>9s} {'process':>9s}")
-    for e in rows:
-        s = e.get("summary") or {}
-        t, a = s.get("seconds") or {}, s.get("test_acc") or {}
-        sd = t.get("std", math.nan)
-        secs = f"{t['mean']:.3f} ± {sd:.3f}" if t.get("n") else "-"
-        acc = f"{a['mean']:.2%}" if a.get("n") else "-"
-        warm = e.get("warmup_seconds")
-        flag = "" if e.get("ok") else "  FAILED: " + str(e.get("error"))
-        name = f"{e.get('kind', '')} {e.get('system') or e.get('variant')}"
-        print(f"{name:58s} {s.get('runs', 0):4d} {acc:>9s} "
-              f"{secs:>20s} {(f'{warm:.1f} s' if warm is not None else '-'):>9s} "
-              f"{e.get('process_wall_seconds', 0):7.1f} s{flag}")
+    return settle(entry, child, args.runs, slot, "its result is incomplete")
 
 
 # ------------------------------------------------------------------------------------------
 # Real mode
 # ------------------------------------------------------------------------------------------
 
+def left_out(record: dict, name: str, slot: Slot) -> None:
+    record["left_out"].append({"name": name, "reason": slot.reason})
+    print(f"== {name}: not started ({slot.reason})", flush=True)
+
+
 def real_mode(args, commit, commit_source, started) -> int:
     if not args.system:
         refuse("give at least one --system (" + SYSTEM_FORMS + "), or --synthetic")
     if args.recipe or args.variant or args.profile:
         refuse("--recipe, --variant and --profile belong to --synthetic")
-    systems = [parse_system(spec, args.sets) for spec in args.system]
-    names = [s.name for s in systems]
+    given = [parse_system(spec, args.sets, args.limit) for spec in args.system]
+    names = [s.name for s in given]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         refuse(f"--system: two systems are named {dup!r}; each must appear once")
+    systems = run_order(given)
+    if systems != given:
+        print("== max-autotune warm-ups first: " + ", ".join(s.name for s in systems if s.long_warmup), flush=True)
     pairs = [parse_pair(p, systems) for p in args.pair]
     peers = [s for s in systems if s.kind == "peer"]
     cifar = [s for s in systems if s.kind == "speedrun"
              and load_recipe(s.recipe, [*args.sets, *s.overrides]).data.dataset == "cifar10"]
     batches = check_data(args.data_dir, "the peer scripts and cifar10 recipes") if peers or cifar else None
-    check_out(args.out)
+    out = record_path(args.out, "gpu-record.json")
 
     work, keep = work_folder(args.work)
+    budget = Budget(args.budget, started)
     record = {"benchmark": "speedrun's recipes against peers' own scripts, one after another, each system in its "
                            "own fresh process", "mode": "real", "script": "benchmarks/gpu_record.py",
               "command": command(), "commit": commit, "runs_per_system": args.runs, "device": args.device,
               "sets": args.sets, "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
-              "order": names, "pairs_asked": [f"{a}:{b}" for a, b in pairs], "definitions": DEFINITIONS,
+              "budget_seconds": args.budget, "limits": {s.name: s.limit for s in systems},
+              "order_given": names, "order": [s.name for s in systems],
+              "pairs_asked": [f"{a}:{b}" for a, b in pairs], "definitions": DEFINITIONS,
               "environment": machine(commit, commit_source), "gpu_before": gpu_state(), "systems": [],
               "pairs": [], "left_out": []}
     try:
         data = None
         entries = {}
         for i, s in enumerate(systems):
-            if args.budget is not None and time.perf_counter() - started > args.budget:
-                record["left_out"].append(s.name)
-                print(f"== {s.name}: left out (--budget {args.budget:.0f} s spent)", flush=True)
+            slot = budget.slot(s.limit)
+            if not slot.start:
+                left_out(record, s.name, slot)
+                atomic_write_json(out, record)
                 continue
-            print(f"== {s.kind} {s.name} ({args.runs} runs) {time.strftime('%H:%M:%S')}", flush=True)
+            limit = f", stopped at {slot.stop_after:.0f} s" if slot.stop_after is not None else ""
+            print(f"== {s.kind} {s.name} ({args.runs} runs{limit}) {time.strftime('%H:%M:%S')}", flush=True)
             if s.kind == "peer" and data is None:
                 t0 = time.perf_counter()
                 data = work / "airbench"
@@ -371,24 +383,30 @@ def real_mode(args, commit, commit_source, started) -> int:
                                            "seconds": time.perf_counter() - t0,
                                            "format": "dict: images uint8 N x 32 x 32 x 3 (NHWC), labels int64 N, "
                                                      "classes list of 10 names"}
-            entry = run_speedrun(i, s, args, work) if s.kind == "speedrun" else run_peer(i, s, args, work, data)
-            entry["summary"] = summarize(entry.get("runs", []))
+                slot = budget.slot(s.limit)             # (the writing took some of the budget)
+                if not slot.start:
+                    left_out(record, s.name, slot)
+                    continue
+            entry = (run_speedrun(i, s, args, work, slot) if s.kind == "speedrun"
+                     else run_peer(i, s, args, work, data, slot))
             entries[s.name] = entry
             record["systems"].append(entry)
             record["pairs"] = pair_figures(pairs, entries)
-            record["gpu_after"] = gpu_state()
+            record["gpu_after"] = entry["gpu_after"]
             record["total_seconds"] = time.perf_counter() - started
-            atomic_write_json(args.out, record)
+            atomic_write_json(out, record)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    atomic_write_json(args.out, record)
-    print_table(record["systems"], f"{len(record['systems'])} systems, {args.runs} runs each (record: {args.out})")
+    record["total_seconds"] = time.perf_counter() - started
+    atomic_write_json(out, record)
+    print_table(record["systems"], f"{len(record['systems'])} systems, {args.runs} runs each (record: {out})")
     for p in record["pairs"]:
-        print(f"{p['a']} / {p['b']}: time {p['time_ratio']:.3f} ({p['seconds_a']:.3f} s / {p['seconds_b']:.3f} s), "
-              f"accuracy {p['test_acc_a']:.2%} vs {p['test_acc_b']:.2%}")
-    if record["left_out"]:
-        print(f"left out: {', '.join(record['left_out'])}")
+        print(f"{p['a']} / {p['b']}: time {p['time_ratio']:.3f} (median {p['time_ratio_median']:.3f}; "
+              f"{p['seconds_a']:.3f} s / {p['seconds_b']:.3f} s), accuracy {p['test_acc_a']:.2%} vs "
+              f"{p['test_acc_b']:.2%}")
+    for left in record["left_out"]:
+        print(f"not started: {left['name']} ({left['reason']})")
     return 0 if all(e["ok"] for e in record["systems"]) and not record["left_out"] else 1
 
 
@@ -396,12 +414,13 @@ def real_mode(args, commit, commit_source, started) -> int:
 # Synthetic mode
 # ------------------------------------------------------------------------------------------
 
-def parse_variant(spec: str) -> tuple[str, list[str]]:
+def parse_variant(given: str, default_limit: float | None) -> tuple[str, list[str], float | None]:
+    spec, limit = with_limit(given, default_limit, "--variant")
     name, _, tail = spec.partition(":")
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", name or ""):
         refuse(f"--variant {spec!r}: expected NAME or NAME:KEY=VALUE@KEY=VALUE (a name of letters, digits, '.', "
                "'_', '+', '-')")
-    return name, parse_overrides(tail, f"--variant {spec}")
+    return name, parse_overrides(tail, f"--variant {spec}"), limit
 
 
 SYNTHETIC_SETS = ["eval.every=0", "data.dataset=npz"]
@@ -423,12 +442,12 @@ def synthetic_mode(args, commit, commit_source, started) -> int:
         refuse("--synthetic needs --recipe RECIPE")
     if args.n_train < 1 or args.n_test < 1:
         refuse("--n-train and --n-test must be at least 1")
-    variants = [parse_variant(v) for v in (args.variant or ["base"])]
-    names = [n for n, _ in variants]
+    variants = [parse_variant(v, args.limit) for v in (args.variant or ["base"])]
+    names = [n for n, _, _ in variants]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         refuse(f"--variant: two variants are named {dup!r}")
-    for name, over in variants:
+    for name, over, _ in variants:
         try:
             recipe = load_recipe(args.recipe, [*SYNTHETIC_SETS, *args.sets, *over])
         except SpeedrunError as err:
@@ -436,16 +455,18 @@ def synthetic_mode(args, commit, commit_source, started) -> int:
         if recipe.data.batch_size and recipe.data.batch_size > args.n_train:
             refuse(f"--variant {name}: data.batch_size={recipe.data.batch_size} is larger than --n-train "
                    f"{args.n_train}")
-    check_out(args.out)
+    out = record_path(args.out, "gpu-record-synthetic.json")
 
     work, keep = work_folder(args.work)
+    budget = Budget(args.budget, started)
     record = {"benchmark": "variants of a recipe on random CIFAR-shaped data, each in its own fresh process",
               "mode": "synthetic", "script": "benchmarks/gpu_record.py", "command": command(), "commit": commit,
               "recipe": args.recipe, "runs_per_variant": args.runs, "device": args.device, "sets": args.sets,
               "data": {"images": "random uint8, 3 x 32 x 32", "classes": 10, "labels": "random",
                        "n_train": args.n_train, "n_test": args.n_test,
                        "note": "accuracies on random labels mean nothing; only the times do"},
-              "profile": args.profile, "order": names, "definitions": DEFINITIONS,
+              "profile": args.profile, "order": names, "budget_seconds": args.budget,
+              "limits": {name: limit for name, _, limit in variants}, "definitions": DEFINITIONS,
               "environment": machine(commit, commit_source), "gpu_before": gpu_state(), "variants": [],
               "ratios": {}, "left_out": []}
     try:
@@ -454,11 +475,13 @@ def synthetic_mode(args, commit, commit_source, started) -> int:
             t0 = time.perf_counter()
             write_synthetic(npz, args.n_train, args.n_test)
             record["data"]["write_seconds"] = time.perf_counter() - t0
-            for i, (name, over) in enumerate(variants):
-                if args.budget is not None and time.perf_counter() - started > args.budget:
-                    record["left_out"].append(name)
+            for i, (name, over, limit) in enumerate(variants):
+                slot = budget.slot(limit)
+                if not slot.start:
+                    left_out(record, name, slot)
                     continue
-                print(f"== variant {name} ({args.runs} runs{', profiled' if args.profile else ''}) "
+                stop = f", stopped at {slot.stop_after:.0f} s" if slot.stop_after is not None else ""
+                print(f"== variant {name} ({args.runs} runs{', profiled' if args.profile else ''}{stop}) "
                       f"{time.strftime('%H:%M:%S')}", flush=True)
                 result_path = work / f"{slug(i, name)}.json"
                 sets = [*args.sets, *over]
@@ -467,29 +490,27 @@ def synthetic_mode(args, commit, commit_source, started) -> int:
                        *(["--profile"] if args.profile else []), *(["--device", args.device] if args.device else []),
                        *[a for o in sets for a in ("--set", o)]]
                 result_path.unlink(missing_ok=True)
-                rc, wall, tail = run_child(cmd, work / f"{slug(i, name)}.log")
-                entry = {"variant": name, "kind": "variant", "overrides": over, "command": " ".join(["python", *cmd[1:]]),
-                         "process_wall_seconds": wall}
+                entry = {"variant": name, "kind": "variant", "overrides": over}
+                child = run_child(cmd, work / f"{slug(i, name)}.log", slot, entry)
                 if result_path.is_file():
                     entry.update(json.loads(result_path.read_text()))
-                entry["ok"] = rc == 0 and len(entry.get("runs", [])) == args.runs and (
-                    not args.profile or "profile" in entry)
-                if not entry["ok"]:
-                    entry.update(error=f"exit code {rc}" if rc else "its result is incomplete", output_tail=tail)
-                entry["summary"] = summarize(entry.get("runs", []))
+                settle(entry, child, args.runs, slot, "its result is incomplete")
+                if entry["ok"] and args.profile and "profile" not in entry:
+                    entry.update(ok=False, error="its profile is missing", output_tail=child.tail)
                 record["variants"].append(entry)
                 first = record["variants"][0]["summary"]
                 record["ratios"] = {v["variant"]: v["summary"]["seconds"]["mean"] / first["seconds"]["mean"]
                                     for v in record["variants"] if v["summary"]["runs"] and first["runs"]}
-                record["gpu_after"] = gpu_state()
+                record["gpu_after"] = entry["gpu_after"]
                 record["total_seconds"] = time.perf_counter() - started
-                atomic_write_json(args.out, record)
+                atomic_write_json(out, record)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    atomic_write_json(args.out, record)
+    record["total_seconds"] = time.perf_counter() - started
+    atomic_write_json(out, record)
     print_table(record["variants"], f"{args.recipe}: {len(record['variants'])} variants on random data, "
-                                    f"{args.runs} runs each (record: {args.out})")
+                                    f"{args.runs} runs each (record: {out})")
     for name, ratio in record["ratios"].items():
         print(f"{name} / {names[0]}: time {ratio:.3f}")
     for v in record["variants"]:
@@ -499,6 +520,8 @@ def synthetic_mode(args, commit, commit_source, started) -> int:
                               if d["seconds"] and prof["total_seconds"])
             print(f"profile {v['variant']}: {prof['total_seconds']:.3f} s of {prof['unit']} time in a "
                   f"{prof['run_seconds']:.3f} s run, {prof['per_step']} per step: {kinds}")
+    for left in record["left_out"]:
+        print(f"not started: {left['name']} ({left['reason']})")
     return 0 if all(v["ok"] for v in record["variants"]) and not record["left_out"] else 1
 
 
@@ -681,13 +704,22 @@ def command() -> str:
     return " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]])
 
 
-def check_out(out: Path | None) -> None:
-    if out is None:
-        refuse("--out FILE.json is required")
+def record_path(given: Path | None, name: str) -> Path:
+    """Where the record goes: ``--out``, else ``$OUT/NAME`` where $OUT is set (a lent GPU machine
+    returns only $OUT's files); a record outside a set $OUT is written where asked, with a warning."""
+    home = os.environ.get("OUT")
+    if given is None:
+        if not home:
+            refuse("--out FILE.json is required (or set $OUT: the record is then written to $OUT/" + name + ")")
+        given = Path(home) / name
     try:
-        check_output_file(out, "--out", overwrite=True)
+        check_output_file(given, "--out", overwrite=True)
     except SpeedrunError as err:
         refuse(str(err))
+    if home and not given.resolve().is_relative_to(Path(home).resolve()):
+        print(f"gpu_record: warning: --out {given} is outside $OUT ({home}): a lent GPU machine returns only "
+              "$OUT's files", file=sys.stderr, flush=True)
+    return given
 
 
 def work_folder(given: Path | None) -> tuple[Path, bool]:
@@ -697,8 +729,17 @@ def work_folder(given: Path | None) -> tuple[Path, bool]:
     return given.resolve(), True
 
 
+class Parser(argparse.ArgumentParser):
+    """Arguments from ``@FILE`` too: one or more per line, as a shell splits them (quotes
+    kept together); lines starting with ``#`` are comments."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        line = arg_line.strip()
+        return [] if not line or line.startswith("#") else shlex.split(line)
+
+
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], fromfile_prefix_chars="@")
     p.add_argument("--synthetic", action="store_true", help="time variants of --recipe on random CIFAR-shaped data")
     p.add_argument("--system", action="append", default=[], metavar="SPEC", help=SYSTEM_FORMS + " (repeatable)")
     p.add_argument("--pair", action="append", default=[], metavar="A:B", help="A's mean time over B's (repeatable)")
@@ -714,10 +755,15 @@ def parse(argv=None):
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every speedrun system or variant (before its own)")
     p.add_argument("--commit", help="the commit the record names (default: $SPEEDRUN_COMMIT, else git rev-parse HEAD)")
-    p.add_argument("--out", type=Path, help="the JSON record")
+    p.add_argument("--out", type=Path, help="the JSON record (default: $OUT/gpu-record.json, or "
+                                            "$OUT/gpu-record-synthetic.json, where $OUT is set)")
     p.add_argument("--work", type=Path, help="keep the work folder here (logs, bench folders, cifar10/*.pt); "
                                             "default: a temporary folder, deleted at the end")
-    p.add_argument("--budget", type=float, help="start no system or variant after this many seconds")
+    p.add_argument("--budget", type=float, help="the call's seconds: a system or variant starts only if its limit "
+                                                "fits in what is left; one without a limit is stopped at the end")
+    p.add_argument("--limit", type=float, help="each system's or variant's time limit in seconds (its whole "
+                                               "process, stopped there with what finished kept); SPEC#SECONDS "
+                                               "gives one its own")
     p.add_argument("--child-variant", help=argparse.SUPPRESS)
     p.add_argument("--npz", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -732,6 +778,8 @@ def main(argv=None) -> int:
     commit, commit_source = read_commit(args.commit)         # (the commit that runs, read before it runs)
     if args.runs < 1:
         refuse("--runs must be at least 1")
+    if (args.limit is not None and args.limit <= 0) or (args.budget is not None and args.budget <= 0):
+        refuse("--limit and --budget are seconds above 0")
     if args.synthetic:
         return synthetic_mode(args, commit, commit_source, started)
     return real_mode(args, commit, commit_source, started)

@@ -24,7 +24,10 @@ How the script is run, without changing a line of it:
 ``warmup_seconds`` is the wall time of the block's set-up statements plus the warm-up run
 (models built, compiled, autotuned, the warm-up's training on dummy labels), the device
 synchronised at its end. Each timed run also has ``wall_seconds``: the whole ``main`` call
-(loading the data onto the device, per-epoch evaluations and printing included).
+(loading the data onto the device, per-epoch evaluations and printing included), and
+``recompiles``: graphs dynamo compiled during the call (0 when the warm-up compiled everything).
+The result file is written after the warm-up and after every run, so a process stopped at its
+time limit leaves what finished.
 
 ``write_cifar10_pt(BATCHES, FOLDER)`` writes the data the airbench scripts read from their
 working folder, ``cifar10/train.pt`` and ``cifar10/test.pt``, from the official CIFAR-10 python
@@ -134,6 +137,12 @@ def check_script(path: Path) -> dict:
     return plan
 
 
+def long_warmup(plan: dict) -> bool:
+    """Whether the block's set-up compiles with ``max-autotune`` (airbench94_muon.py: about 140 s
+    of autotuning on an H100 before its first run)."""
+    return any("max-autotune" in line for line in plan["setup_source"])
+
+
 # ------------------------------------------------------------------------------------------
 # Data: the official CIFAR-10 batches as airbench's cifar10/{train,test}.pt
 # ------------------------------------------------------------------------------------------
@@ -194,6 +203,15 @@ def _versions(torch) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def compiled_graphs(torch) -> int | None:
+    """Graphs dynamo has compiled in this process so far (None where dynamo cannot be read)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:                                   # (a torch without dynamo)
+        return None
+    return int(counters["stats"]["unique_graphs"])
+
+
 def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     started = time.perf_counter()
     import torch
@@ -250,15 +268,19 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     result["warmup_own_seconds"] = finals[-1]["seconds"] if finals else None
     print(f"PEER {script.name}: warm-up {result['warmup_seconds']:.1f} s", flush=True)
     result["runs"] = []
+    _write_json(result_path, result)                    # (a process stopped in its runs keeps the warm-up)
     for run in range(runs):
         finals.clear()
+        graphs = compiled_graphs(torch)
         t = time.perf_counter()
         returned = module.main(run, *args, **kwargs)
         sync()
         wall = time.perf_counter() - t
+        after = compiled_graphs(torch)
         if len(finals) != 1:
             raise PeerError(f"{script.name}: run {run} logged {len(finals)} final entries (expected 1)")
         result["runs"].append({"run": run, **finals[0], "wall_seconds": wall,
+                               "recompiles": None if graphs is None else after - graphs,
                                "returned": float(returned) if isinstance(returned, (int, float)) else None})
         result["process_seconds_so_far"] = time.perf_counter() - started
         _write_json(result_path, result)

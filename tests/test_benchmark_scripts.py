@@ -1,6 +1,7 @@
 """The benchmark scripts that the README's figures come from, run for real on small data: each
 writes a complete record naming the commit that ran (read before it runs) and the CPU."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,6 +233,8 @@ def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_not
              (["--system", "airbench94_muon.py"], "expected speedrun:RECIPE"),
              (["--system", "speedrun:cifar10-94@model.widths"], "is not KEY=VALUE"),
              (["--system", "speedrun:cifar10-94-fsat"], "did you mean 'cifar10-94-fast'"),
+             (["--system", "speedrun:cifar10-94#soon"], "SPEC#SECONDS with SECONDS above 0"),
+             (["--system", "speedrun:cifar10-94", "--limit", "0"], "--limit and --budget are seconds above 0"),
              (["--system", "speedrun:cifar10-94", "--data-dir", tmp_path], "no CIFAR-10 python batches"),
              (["--system", "speedrun:cifar10-94", "--data-dir", data_dir, "--pair", "cifar10-94:airbench94.py"],
               "--pair"),
@@ -261,6 +264,137 @@ def test_peer_runner_reads_how_a_scripts_main_block_warms_up_and_runs(monkeypatc
     plan = plan_main_block(block, "legacy.py")
     assert head.endswith("pass\n\n") and plan["args"] == [] and not plan["warmup_in_script"]
     assert len(plan["setup_source"]) == 2
+
+
+# ---- gpu_record.py's time limits and the two calls of a lent GPU (benchmarks/lending/) ----
+
+LENDING = ROOT / "benchmarks" / "lending"
+
+MUON_SETUP = '''    model = torch.nn.Linear(3 * 32 * 32, 10)
+    if torch.cuda.is_available():
+        model.compile(mode="max-autotune")
+'''
+"""The stand-in's set-up as airbench94_muon.py's: compiled with max-autotune where there is a GPU."""
+
+SLOW_SETUP = MUON_SETUP + '''    import subprocess
+    helper = subprocess.Popen(["sleep", "300"])
+    open(PIDFILE, "w").write(str(helper.pid))
+    slow = main
+    def main(run, model):
+        time.sleep(0.3)
+        return slow(run, model)
+'''
+"""...and a helper process in its group (a compile worker's stand-in), and runs slowed down."""
+
+
+def standin(folder: Path, name: str, setup: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = STANDIN_PEER
+    if setup:
+        text = text.replace("    model = torch.nn.Linear(3 * 32 * 32, 10)\n", setup)
+        assert text != STANDIN_PEER
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def record_call(args: list, cwd: Path, out: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """gpu_record.py as a lent GPU runs it: from ``cwd``, with $OUT set and no --out."""
+    import os
+    env = {**os.environ, "OUT": str(out)}
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_record.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_lending_call_1_smokes_the_record_recipe_for_one_run_on_random_data(tmp_path):
+    out = tmp_path / "out"
+    proc = record_call([f"@{LENDING / 'call1-smoke.args'}", "--device", "cpu", "--n-train", 256, "--n-test", 128,
+                        "--set", "data.batch_size=64", "--set", "train.epochs=1", *TINY_SPEEDNET,
+                        "--commit", "abc1234"], tmp_path, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p.name for p in out.iterdir()] == ["gpu-record-synthetic.json"]
+    record = json.loads((out / "gpu-record-synthetic.json").read_text())
+    assert record["commit"] == "abc1234" and record["budget_seconds"] == 150 and record["limits"] == {"record": 120}
+    (v,) = record["variants"]
+    assert v["ok"] and v["limit_seconds"] == 120 and v["limit_from"] == "its limit" and "cut" not in v
+    config = v["recipe_config"]
+    assert (config["model"]["global_pool_grad"], config["runtime"]["cast"], config["augment"]["whole_epoch"]) == (
+        "select", "model", True)
+    (run,) = v["runs"]
+    assert run["seconds"] > 0 and run["recompiles"] == 0 and v["summary"]["recompiles"] == 0
+    assert v["summary"]["seconds"]["median"] == run["seconds"] and v["summary"]["test_acc"]["median"] == run["test_acc"]
+
+
+def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_file(tmp_path, data_dir, cifar_small):
+    peers = tmp_path / ".device-data" / "peers"          # where the call finds airbench's scripts
+    standin(peers, "airbench94_muon.py", MUON_SETUP)
+    standin(peers, "airbench94.py")
+    # the call's own file, its limits and budget widened for a shared 2-core CPU
+    text = (LENDING / "call2-cifar10-record.args").read_text()
+    assert "--budget 560\n" in text
+    wide = re.sub(r"#(\d+)$", lambda m: f"#{int(m.group(1)) * 5}", text.replace("--budget 560", "--budget 5000"),
+                  flags=re.MULTILINE)
+    args_file = tmp_path / "call2.args"
+    args_file.write_text(wide)
+    out = tmp_path / "out"
+    proc = record_call([f"@{args_file}", "--runs", 1, "--device", "cpu", "--data-dir", data_dir,
+                        "--set", "data.dataset=npz", "--set", f"data.path='{cifar_small}'",
+                        "--set", "data.batch_size=256", "--set", "train.epochs=1", *TINY_SPEEDNET,
+                        "--commit", "abc1234"], tmp_path, out, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "gpu-record.json").read_text())
+    systems = record["systems"]
+    given = [line.split(None, 1)[1].rsplit("#", 1)[0] for line in text.splitlines() if line.startswith("--system ")]
+    assert len(systems) == len(given) == 8 and not record["left_out"]
+    assert record["order"][0] == "airbench94_muon.py" and systems[0]["main_block"]["setup_source"][1].startswith(
+        "if torch.cuda.is_available()")
+    assert [e["spec"] for e in systems] == given
+    for e in systems:
+        assert e["ok"] and len(e["runs"]) == 1 and e["limit_from"] == "its limit" and e["warmup_seconds"] > 0
+        assert e["summary"]["seconds"]["median"] == e["runs"][0]["seconds"] > 0
+        assert e["runs"][0]["recompiles"] == 0 and e["summary"]["recompiles"] == 0
+    assert len(record["pairs"]) == len(record["pairs_asked"]) == 7
+    by_pair = {(p["a"], p["b"]): p for p in record["pairs"]}
+    record_recipe = "cifar10-94-fast@model.global_pool_grad=select@runtime.cast=model@augment.whole_epoch=true"
+    assert (record_recipe, "airbench94_muon.py") in by_pair and ("cifar10-94", "airbench94.py") in by_pair
+    paired = by_pair[(record_recipe, "cifar10-94-fast")]
+    assert paired["paired"]["seeds"] == [0] and paired["time_ratio_median"] == pytest.approx(paired["time_ratio"])
+
+
+def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none_that_would_overrun(
+        tmp_path, data_dir):
+    import time
+    pidfile = tmp_path / "helper.pid"
+    peer = standin(tmp_path / "peers", "airbench94_muon.py", SLOW_SETUP.replace("PIDFILE", repr(str(pidfile))))
+    out = tmp_path / "out"
+    # given second, the peer that autotunes runs first; stopped at 40 s of its 1000 runs, it leaves too little
+    # of the 90 s budget for the next system's 60 s limit
+    t0 = time.perf_counter()
+    proc = record_call(["--runs", 1000, "--budget", 90, "--data-dir", data_dir, "--device", "cpu",
+                        "--system", "speedrun:cifar10-94-fast#60", "--system", f"peer:{peer}#40"], tmp_path, out)
+    took = time.perf_counter() - t0
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "gpu-record.json").read_text())
+    assert record["order_given"] == ["cifar10-94-fast", "airbench94_muon.py"]
+    assert record["order"] == ["airbench94_muon.py", "cifar10-94-fast"]
+    (entry,) = record["systems"]
+    cut = entry["cut"]
+    assert cut["by"] == "its limit" and cut["at_seconds"] == 40 and cut["runs_asked"] == 1000
+    assert 1 <= cut["runs_finished"] < 1000 and len(entry["runs"]) == entry["summary"]["runs"] == cut["runs_finished"]
+    assert not entry["ok"] and "stopped by its limit" in entry["error"] and entry["warmup_seconds"] > 0
+    assert 40 <= entry["process_wall_seconds"] < 40 + 10 and took < 90
+    assert all(r["seconds"] > 0 and 0 <= r["test_acc"] <= 1 for r in entry["runs"])
+    (left,) = record["left_out"]
+    assert left["name"] == "cifar10-94-fast" and "limit of 60 s is more than" in left["reason"]
+    # the whole process group went: the helper the peer started is gone too
+    helper = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    for _ in range(50):                                 # (gone, or a zombie its new parent has not reaped)
+        if not helper.exists() or helper.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"{helper}: the peer's helper process outlived its group's stop")
 
 
 # ------------------------------------------------------------------------------------------

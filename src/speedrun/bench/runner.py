@@ -89,6 +89,7 @@ def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | Non
             "test_acc_no_tta": result.test_acc_no_tta,
             "epochs": result.epochs,
             "steps": result.steps,
+            "recompiles": result.recompiles,
             "times": {"train+eval": result.train_seconds, "end_to_end": t2 - t1 - paused,
                       "run_start_to_stop": t2 - t0 - paused},
             "history": [vars(h) for h in result.history],
