@@ -41,6 +41,9 @@ compare with. Default ``--out``: benchmarks/results/imagenet-throughput-<device>
 A bad argument stops before anything is written: one line, exit code 2. On a CPU it runs at
 tiny sizes, e.g. ``--device cpu --size 32 --batch 8 --steps 2 --images-per-class 4
 --classes 2 --set model.width=8 --set runtime.compile=off``.
+
+photo_throughput.py uses this file's synthetic photo folders, model-step timer, busy fraction
+and one-line refusals.
 """
 from __future__ import annotations
 

@@ -407,3 +407,20 @@ def test_busy_fraction_counts_each_kernel_once_and_only_inside_the_window():
     assert busy_fraction([(0, 2), (1, 3), (5, 6)], (0, 10)) == pytest.approx(0.4)
     assert busy_fraction([(-5, 1), (9, 20)], (0, 10)) == pytest.approx(0.2)   # clipped to the window
     assert math.isnan(busy_fraction([(0, 1)], (3, 3)))
+
+
+def test_a_record_names_the_commit_given_else_the_environments_else_gits(monkeypatch):
+    """What every benchmark record names: the commit from --commit, else $SPEEDRUN_COMMIT (a GPU
+    machine without .git), else the checkout's HEAD with its dirty flag; the CPU's family."""
+    from speedrun.report.environment import machine, read_commit
+    monkeypatch.setenv("SPEEDRUN_COMMIT", "abc1234")
+    assert read_commit("def5678") == ("def5678", "--commit")
+    assert read_commit() == ("abc1234", "$SPEEDRUN_COMMIT")
+    env = machine()
+    assert (env["git_commit"], env["git_dirty"], env["commit_source"]) == ("abc1234", None, "$SPEEDRUN_COMMIT")
+    assert env["cpu_model"] and env["cpu_family_model"] and {"triton_version", "cudnn_version"} <= set(env)
+    monkeypatch.delenv("SPEEDRUN_COMMIT")
+    if head_commit():
+        assert read_commit() == (head_commit(), "git rev-parse HEAD")
+        env = machine()
+        assert env["git_commit"] == head_commit() and isinstance(env["git_dirty"], bool)
