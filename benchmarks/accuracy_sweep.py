@@ -34,8 +34,7 @@ from speedrun.bench.stats import describe, p_mean_at_least, welch
 from speedrun.errors import RecipeError
 from speedrun.files import atomic_write_json
 from speedrun.recipe import load_recipe
-from speedrun.report.environment import environment
-from throughput_common import read_commit
+from speedrun.report.environment import machine
 
 
 def parse_variant(text: str) -> tuple[str, str, list[str]]:
@@ -116,10 +115,7 @@ def main() -> int:
     except (ValueError, RecipeError) as e:
         p.error(str(e))
 
-    commit, commit_source = read_commit(args.commit)      # read before any run
-    environ = {**environment(), "git_commit": commit, "commit_from": commit_source}
-    if commit_source != "git rev-parse HEAD":
-        environ["git_dirty"] = None             # (the tree that ran is the named commit's; no git to ask)
+    environ = machine(args.commit)      # read before any run
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     tmp = None

@@ -80,10 +80,10 @@ sys.path[:0] = [str(ROOT / "src"), str(BENCH)]
 from peer_runner import CIFAR_FILES, PeerError, check_script, long_warmup, write_cifar10_pt  # noqa: E402
 from record_figures import pair_figures, print_table, summarize  # noqa: E402
 from time_limits import Budget, ChildRun, Slot, run_limited, split_limit  # noqa: E402
-from throughput_common import machine, read_commit  # noqa: E402
 from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
+from speedrun.report.environment import machine, read_commit  # noqa: E402
 
 CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 

@@ -5,7 +5,7 @@ with the same number of torch threads:
 - plain:     eager PyTorch from the tutorials (torch.optim.SGD with parameter groups, a LambdaLR
              stepped every batch, bf16 autocast where the CPU computes bf16 natively,
              channels_last, whole-batch augmentation of uint8 tensors in memory): :func:`train_plain`;
-- lightning: the same algorithm as a LightningModule under lightning.Trainer (peer_lightning.py);
+- lightning: the same algorithm as a LightningModule under lightning.Trainer (peer_algorithm.py);
 - speedrun:  ``python -m speedrun train cifar10-94 --set train.epochs=E --device cpu``.
 
 The plain and Lightning peers share one implementation of the algorithm (peer_algorithm.py):
@@ -146,7 +146,7 @@ def run_peer(name: str, recipe, data, precision: str) -> dict:
     model = peer_model(recipe, algo.seed)
     if name == "lightning":
         import lightning
-        from peer_lightning import final_accuracy, lightning_precision, make_trainer, train_lightning
+        from peer_algorithm import final_accuracy, lightning_precision, make_trainer, train_lightning
         trainer = make_trainer(algo, precision)
     else:
         # built before the clock, as speedrun builds its optimizer before its clock; the first
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     if not peers or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
         raise SystemExit(f"peers: --peers takes a comma-separated selection of {', '.join(PEERS)}")
     from peer_algorithm import check_supported
-    from speedrun.report.environment import environment
+    from speedrun.report.environment import machine
     recipe = load_recipe(RECIPE, overrides(args))
     check_supported(recipe)
     precision = args.precision if args.precision != "auto" else ("bf16" if cpu_bf16_units() else "fp32")
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
               "recipe": RECIPE, "overrides": overrides(args), "epochs": args.epochs, "threads": args.threads,
               "precision": precision, "bf16_units": list(cpu_bf16_units()), "smoke": smoke,
               "limit_train": args.limit_train, "limit_test": args.limit_test, "order": peers,
-              "definitions": DEFINITIONS, "environment": environment(), "peers": {}}
+              "definitions": DEFINITIONS, "environment": machine(), "peers": {}}
     if args.rounds < 1:
         raise SystemExit("peers: --rounds must be at least 1")
     if args.rounds > 1:

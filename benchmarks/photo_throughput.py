@@ -53,9 +53,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from throughput_common import (BOUND_SHARE, ROOT, OneLineParser, Refused, bound, device_label,  # noqa: E402
-                               machine, model_step, parse_wxh, photo_folder, read_commit, refusal, slug)
+from imagenet_throughput import (BOUND_SHARE, ROOT, OneLineParser, Refused, bound, device_label, guarded,  # noqa: E402
+                                 model_step, parse_wxh, photo_folder, record_path)
 from speedrun.errors import SpeedrunError  # noqa: E402
+from speedrun.report.environment import machine, read_commit  # noqa: E402
 
 PROG = "photo_throughput"
 
@@ -226,10 +227,7 @@ def run(args, commit, commit_source) -> int:
             check_output_file(args.out, "--out")
         from speedrun.engine.runtime import pick_device
         device = pick_device(args.device)
-        name = slug(device_label(device) if device.type == "cuda" else f"cpu-{device_label(device)}")
-        out = args.out or ROOT / "benchmarks" / "results" / \
-            f"photo-throughput-{name}-{(commit or 'nocommit')[:7]}.json"
-        check_output_file(out, "--out")
+        out = record_path("photo-throughput", args.out, device, commit)
     except SpeedrunError as err:
         raise Refused(err) from None
     env = machine(commit, commit_source)
@@ -303,17 +301,12 @@ def run(args, commit, commit_source) -> int:
 
 
 def main(argv=None) -> int:
-    try:
+    def body():
         args = parse(sys.argv[1:] if argv is None else argv)
         if args.model_step:
             return model_step_child(args)
-        commit, commit_source = read_commit(args.commit)        # (the commit that runs, read before it runs)
-        return run(args, commit, commit_source)
-    except Refused as err:
-        return refusal(PROG, err)
-    except SpeedrunError as err:
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        return run(args, *read_commit(args.commit))        # (the commit that runs, read before it runs)
+    return guarded(PROG, body)
 
 
 if __name__ == "__main__":

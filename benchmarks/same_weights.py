@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE / "src"))
 
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
-from speedrun.report.environment import environment  # noqa: E402
+from speedrun.report.environment import machine  # noqa: E402
 
 
 def train(tree: Path, recipe: str, sets: list[str], extra: list[str], data_dir: str | None, out: Path) -> dict:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         settings.append((name, [s for s in tail.split("@") if s]))
     record = {"benchmark": "same_weights: speedrun train from two trees, trained weights compared bit for bit",
               "script": "benchmarks/same_weights.py", "recipe": args.recipe, "base_commit": args.base_commit,
-              "extra": extra, "environment": environment(), "settings": []}
+              "extra": extra, "environment": machine(), "settings": []}
     ok = True
     with tempfile.TemporaryDirectory(prefix="same-weights-") as tmp:
         for name, sets in settings:

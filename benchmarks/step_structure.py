@@ -36,7 +36,7 @@ from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
 from speedrun.files import atomic_write_json
 from speedrun.profiling.step_structure import measure
 from speedrun.recipe import load_recipe
-from speedrun.report.environment import environment
+from speedrun.report.environment import machine
 
 NARROW = {"cifar10-94": ["model.widths=[16,32,32]"], "cifar10-94-fast": ["model.widths=[16,32,32]"],
           "imagenet-resnet50": ["model.width=16"]}
@@ -127,7 +127,7 @@ def main() -> int:
     args = p.parse_args()
     if args.ddp_worker:
         return ddp_worker(args.ddp_worker, args.ddp_out, args.backend, args.ddp_set)
-    env = environment()
+    env = machine()
     cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
     out = args.out or Path(__file__).parent / "results" / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from speedrun.report.environment import environment
+from speedrun.report.environment import machine
 from speedrun.files import atomic_write_json
 
 
@@ -46,14 +46,14 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--keep-runs", type=Path,
                    help="copy each run's folder (config, metrics, summary, weights) to KEEP_RUNS/run<i> "
-                        "after its process ended (outside the timed region), e.g. for benchmarks/tta_views.py")
+                        "after its process ended (outside the timed region)")
     p.add_argument("--cold-cache", action="store_true",
                    help="each run with an empty decoded-folder cache and an empty compile cache (the "
                         "decoding and any compiling are in the timed process)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])
-    environ = environment()      # (the commit that runs, read before it runs)
+    environ = machine()      # (the commit that runs, read before it runs)
     args.extra = argv[cut + 1:]
     kept = [args.keep_runs / f"run{i}" for i in range(args.runs)] if args.keep_runs else []
     taken = [k for k in kept if k.exists()]

@@ -1037,6 +1037,47 @@ def reader_for(d):
 
 
 # ------------------------------------------------------------------------------------------
+# Records whose script left the tree (one-off comparisons whose answer is settled)
+# ------------------------------------------------------------------------------------------
+
+LAST_HELD = "90a0884"
+"""The last commit that holds every script below: ``git show 90a0884:benchmarks/NAME`` gives it back."""
+
+REMOVED = ("cpu_step_levers.py", "cuda_graph_inputs.py", "engine_vs_plain.py", "gpu_smoke.py",
+           "hold_memory.py", "imagenette_step.py", "photo_input.py", "step_ops_vs.py", "step_time_vs.py",
+           "stream_pipeline.py", "train_vs.py", "tta_views.py")
+
+READER_SCRIPT = {gpu_smoke_rows: "gpu_smoke.py", engine_vs_plain_rows: "engine_vs_plain.py",
+                 train_vs_rows: "train_vs.py", hold_memory_rows: "hold_memory.py", tuning_rows: "imagenette_step.py",
+                 photo_input_rows: "photo_input.py", fork_server_rows: "photo_input.py",
+                 stream_rows: "stream_pipeline.py", levers_rows: "cpu_step_levers.py",
+                 cuda_graph_rows: "cuda_graph_inputs.py", step_time_vs_rows: "step_time_vs.py",
+                 step_ops_rows: "step_ops_vs.py", tta_rows: "tta_views.py"}
+"""Which script writes the records each reader reads, where that script has left the tree."""
+
+
+def removed_script(rec: Record, reader) -> str | None:
+    """The removed script that made ``rec``: the one its command names, else its reader's."""
+    env = rec.data.get("environment") if isinstance(rec.data, dict) else None
+    for text in (rec.data.get("command"), rec.data.get("script"), (env or {}).get("command")) \
+            if isinstance(rec.data, dict) else ():
+        for name in re.findall(r"[a-z_]+\.(?:py|sh)\b", str(text or "")):
+            if name in REMOVED:
+                return name
+    return READER_SCRIPT.get(reader)
+
+
+def removed_section(made: dict[str, list[str]]) -> str:
+    rows = [[code(name), code(f"git show {LAST_HELD}:benchmarks/{name}"), cell("; ".join(made[name]))]
+            for name in sorted(made)]
+    return ("\n## Records whose script left the tree\n\nOne-off comparisons whose answer is settled: their "
+            "scripts are no longer in `benchmarks/`, their records stay above. Each script comes back, as it was "
+            f"when it left, with `git show {LAST_HELD}:benchmarks/NAME`; as a record ran it, with "
+            "`git show COMMIT:benchmarks/NAME` for the commit the record names (beside each record below).\n\n"
+            + table_md(["script", "get it back", "its records (the commit each ran from)"], rows))
+
+
+# ------------------------------------------------------------------------------------------
 # The page
 # ------------------------------------------------------------------------------------------
 
@@ -1050,7 +1091,8 @@ INTRO = (
     "commits that the runs inside the record name, where a commit landed while it ran) and the date where the "
     "record gives one. Accuracies are test accuracies with the recipe's test-time augmentation unless a column "
     f"says otherwise. This page is generated from the records by `{COMMAND}`; do not edit it by hand, but run "
-    "the script after adding a record. `benchmarks/README.md` says which script writes each kind of record.\n"
+    "the script after adding a record. `benchmarks/README.md` says which script writes each kind of record; the "
+    "last section names the records whose script has left the tree, and how to get that script back.\n"
 )
 
 
@@ -1063,9 +1105,13 @@ def table_md(headers, rows) -> str:
 def render(results: Path = RESULTS) -> str:
     records = load_records(results)
     rows: dict[str, list] = {t[0]: [] for t in TABLES}
+    made: dict[str, list[str]] = {}
     headers = {t[0]: t[3] for t in TABLES}
     for rec in records:
         reader = None if rec.error else reader_for(rec.data)
+        script = removed_script(rec, reader)
+        if script:
+            made.setdefault(script, []).append(f"`{rec.rel}` ({where(rec)[2]})")
         why = rec.error or ("a format this page does not read" if reader is None else None)
         if reader is not None:
             try:
@@ -1096,6 +1142,8 @@ def render(results: Path = RESULTS) -> str:
         for tid, _, ttitle, head in tables:
             body = [cells for _, cells in sorted(rows[tid], key=lambda r: r[0])]
             parts.append((f"\n### {ttitle}\n" if len(tables) > 1 else "") + "\n" + table_md(head, body))
+    if made:
+        parts.append(removed_section(made))
     return "".join(parts)
 
 

@@ -48,40 +48,6 @@ def test_train_cli_times_whole_processes_and_keeps_each_runs_folder(tmp_path, fa
     assert again.returncode == 2 and "--keep-runs" in again.stderr and not (tmp_path / "again.json").exists()
 
 
-def test_stream_pipeline_compares_the_streamed_loader_with_a_per_sample_one(tmp_path, jpeg32):
-    out = tmp_path / "stream.json"
-    script("stream_pipeline.py", jpeg32, "--batches", "2", "--batch", "64", "--workers", "1", "--out", out)
-    record = json.loads(out.read_text())
-    check_environment(record)
-    assert {(r["pipeline"], r["crop"]) for r in record["results"]} == {
-        (p, c) for p in ("speedrun (simplejpeg)", "speedrun (pillow)", "plain per-sample pillow")
-        for c in ("translate", "rrc")}
-    assert all(r["images_per_second"] > 0 for r in record["results"]) and set(record["speedup"]) == {"translate", "rrc"}
-
-
-def test_hold_memory_alternates_the_setting_in_whole_processes(tmp_path, data_dir):
-    out = tmp_path / "hold.json"
-    script("hold_memory.py", "--rounds", "2", "--out", out, "--", "flops", "fashion-mnist", "--steps", "2",
-           "--data-dir", data_dir, "--set", "model.widths=[8,16,16]")
-    record = json.loads(out.read_text())
-    check_environment(record)
-    assert [(r["round"], r["hold_memory"]) for r in record["runs"]] == [(0, "off"), (0, "auto"), (1, "auto"),
-                                                                      (1, "off")]
-    assert all(r["model_flops_per_s"] > 0 and r["process_seconds"] > 0 for r in record["runs"])
-    assert set(record["medians"]) == {"off", "auto"}
-
-
-def test_cuda_graph_inputs_writes_each_graphs_counts(tmp_path, data_dir):
-    out = tmp_path / "cgi.json"
-    script("cuda_graph_inputs.py", "--data-dir", data_dir, "--only", "cifar10-94-fast", "--out", out)
-    record = json.loads(out.read_text())
-    check_environment(record)
-    (row,) = record["rows"]
-    assert row["recipe"] == "cifar10-94-fast" and row["mutated_not_static_total"] == 0
-    update = max(row["graphs"], key=lambda g: g["mutated"])
-    assert update["mutated"] > 40 and update["static"] >= update["mutated"] and row["parameters"] > 10
-
-
 # ------------------------------------------------------------------------------------------
 # gpu_record.py: speedrun against peers' own scripts, and variants on random data
 # ------------------------------------------------------------------------------------------
@@ -561,3 +527,34 @@ def test_accuracy_sweep_runs_variants_over_seeds_side_by_side_and_tests_each_mea
                                str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
         assert not (tmp_path / "bad.json").exists()
+
+
+def test_busy_fraction_counts_each_kernel_once_and_only_inside_the_window():
+    """The GPU-busy fraction of the throughput records, from kernel intervals (the part the CPU
+    can check: on a CPU the intervals are this process's ops)."""
+    import math
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from imagenet_throughput import busy_fraction, covered
+    assert covered([(0, 2), (1, 3), (5, 6)]) == 4            # (0, 3) and (5, 6)
+    assert covered([(0, 10), (2, 3), (4, 5)]) == 10          # nested kernels on other streams
+    assert covered([]) == 0
+    assert busy_fraction([(0, 2), (1, 3), (5, 6)], (0, 10)) == pytest.approx(0.4)
+    assert busy_fraction([(-5, 1), (9, 20)], (0, 10)) == pytest.approx(0.2)   # clipped to the window
+    assert math.isnan(busy_fraction([(0, 1)], (3, 3)))
+
+
+def test_a_record_names_the_commit_given_else_the_environments_else_gits(monkeypatch):
+    """What every benchmark record names: the commit from --commit, else $SPEEDRUN_COMMIT (a GPU
+    machine without .git), else the checkout's HEAD with its dirty flag; the CPU's family."""
+    from speedrun.report.environment import machine, read_commit
+    monkeypatch.setenv("SPEEDRUN_COMMIT", "abc1234")
+    assert read_commit("def5678") == ("def5678", "--commit")
+    assert read_commit() == ("abc1234", "$SPEEDRUN_COMMIT")
+    env = machine()
+    assert (env["git_commit"], env["git_dirty"], env["commit_source"]) == ("abc1234", None, "$SPEEDRUN_COMMIT")
+    assert env["cpu_model"] and env["cpu_family_model"] and {"triton_version", "cudnn_version"} <= set(env)
+    monkeypatch.delenv("SPEEDRUN_COMMIT")
+    if head_commit():
+        assert read_commit() == (head_commit(), "git rev-parse HEAD")
+        env = machine()
+        assert env["git_commit"] == head_commit() and isinstance(env["git_dirty"], bool)

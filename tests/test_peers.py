@@ -124,7 +124,7 @@ def test_plain_steps_give_the_weights_of_speedruns_train_step(cifar_slice):
 
 def test_lightning_steps_give_the_plain_loops_weights(cifar_slice):
     require_lightning()
-    from peer_lightning import train_lightning
+    from peer_algorithm import train_lightning
     recipe = load_recipe("cifar10-94", NARROW + STEPS)
     algo = Algorithm.from_recipe(recipe, 2048)
     models = {}

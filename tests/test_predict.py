@@ -255,24 +255,3 @@ def test_an_array_runs_images_are_prepared_as_its_pipeline_did(fashion_small, tm
     Image.fromarray(ds.test_x[0, 0].numpy()).resize((56, 70)).convert("RGB").save(big)
     x, _, _ = prepare_images(loaded, [big])
     assert x.shape == (1, 1, 28, 28) and (x - x_eval[:1]).abs().mean() < 0.5
-
-
-def test_tta_views_benchmark_evaluates_the_saved_weights_as_the_run_did(evaluated, tmp_path):
-    """benchmarks/tta_views.py in a real process: its variant equal to the run's own TTA gives
-    the recorded accuracy, its plain view the recorded no-TTA accuracy, on every variant."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    run, _, _, before = evaluated
-    out = tmp_path / "tta.json"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tta_views.py"
-    subprocess.run([sys.executable, str(script), str(run), "--out", str(out)], check=True, capture_output=True)
-    summary = json.loads((run / "summary.json").read_text())
-    record = json.loads(out.read_text())
-    rows = {(v["tta"], v["fraction"]): v for v in record["runs"][0]["variants"]}
-    assert rows[("flip_translate", 1.0)]["test_acc"] == summary["test_acc"]
-    assert rows[("none", 1.0)]["test_acc"] == summary["test_acc_no_tta"]
-    assert {v["test_acc_no_tta"] for v in rows.values()} == {summary["test_acc_no_tta"]}
-    assert rows[("flip_translate8", 0.25)]["views"] == 10 and rows[("flip_translate_scales", 1.0)]["views"] == 10
-    assert len(rows) == 14                                    # every variant, the resized views' too
-    assert record["environment"]["git_commit"] and digests(run) == before

@@ -106,21 +106,3 @@ def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch):
     assert accuracy["gemm"] > 0.5 and abs(accuracy["gemm"] - accuracy["torch"]) < 0.03, accuracy   # chance: 0.1
     steps = 2 * (8192 // 512)
     assert len(calls) == steps * 6, len(calls)                  # every 3x3 layer of every step (6 of them)
-
-
-def test_the_step_levers_benchmark_records_each_lever_and_shape(tmp_path, data_dir):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    out = tmp_path / "levers.json"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_step_levers.py"
-    subprocess.run([sys.executable, str(script), "fashion-mnist", "--out", str(out), "--steps", "1", "--data-dir",
-                    str(data_dir), "--set", "model.widths=[8,16,16]", "--set", "runtime.precision=bf16"],
-                   check=True, capture_output=True, text=True)
-    record = json.loads(out.read_text())
-    assert {(r["size"], r["lever"]) for r in record["levers"]} == {(28, lever) for lever in ("whiten", "norm", "wgrad")}
-    assert all(r["ratio"] > 0 for r in record["levers"])
-    assert record["weight_grad_shapes"] and set(record["weight_grad_choices"]) == \
-        {s["shape"] for s in record["weight_grad_shapes"]}
-    assert record["environment"]["torch_version"] == torch.__version__

@@ -1,4 +1,5 @@
-"""What a run ran on and from: device, software, source commit."""
+"""What a run or a benchmark record ran on and from: device (CPU model and family, GPU),
+software versions, the source commit and whether the tree was dirty, the command."""
 from __future__ import annotations
 
 import os
@@ -79,10 +80,20 @@ def cpu_details() -> dict:
             "cpu_mhz": info.get("cpu MHz"), "cpu_features": info.get("features")}
 
 
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:                                   # (not in CPU builds)
+        return None
+    return triton.__version__
+
+
 def environment() -> dict:
     env = {
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
+        "triton_version": triton_version(),
+        "cudnn_version": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "cpu_model": cpu_name(),
@@ -96,4 +107,27 @@ def environment() -> dict:
         env["gpu_count"] = torch.cuda.device_count()
         env["gpu_clocks"] = gpu_clocks()
     env.update(git_state())
+    return env
+
+
+def read_commit(given: str | None = None) -> tuple[str | None, str]:
+    """(commit, where it was read) for a benchmark record: ``given`` (its --commit), else
+    $SPEEDRUN_COMMIT, else the checkout's HEAD (a GPU machine without .git needs one of the first
+    two). A benchmark reads it when it starts, so a commit made while it runs is not named."""
+    if given:
+        return given, "--commit"
+    if os.environ.get("SPEEDRUN_COMMIT"):
+        return os.environ["SPEEDRUN_COMMIT"], "$SPEEDRUN_COMMIT"
+    head = _git("rev-parse", "HEAD")
+    return (head, "git rev-parse HEAD") if head else (None, "unknown (no git; pass --commit)")
+
+
+def machine(commit: str | None = None, commit_source: str | None = None) -> dict:
+    """What every benchmark record names: ``environment()`` with the commit as ``read_commit``
+    reads it (given, or read now) and where from; a commit not read from git replaces git's."""
+    if commit_source is None:
+        commit, commit_source = read_commit(commit)
+    env = {**environment(), "commit": commit, "commit_source": commit_source}
+    if commit and commit_source != "git rev-parse HEAD" and env["git_commit"] != commit:
+        env.update(git_commit=commit, git_dirty=None)      # (the tree that ran is the named commit's)
     return env
