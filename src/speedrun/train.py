@@ -133,25 +133,24 @@ def train_command(args) -> int:
     resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before the job starts
     distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
                       recipe.distributed.timeout_s)
-    try:
-        folder = folder or _run_folder(args, recipe, world)
-        history = resume["history"] if resume is not None else None
-        record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
-            else NullRecord(folder)
-        stop = StopSignals()
+    stop = StopSignals()
+    with stop.installed():                     # until the process group is gone: a stopped rank exits whole
         try:
-            with stop.installed():
-                try:
-                    code = _train_into(record, recipe, resume, device, args, world, stop)
-                except RunStopped as stopped:
-                    return _stopped(stopped, world)
-                distributed.finish(world, recipe.distributed.timeout_s)
-                return code
-        except BaseException:
-            record.discard()                   # a failed run leaves no empty folder behind
-            raise
-    finally:
-        distributed.stop()
+            folder = folder or _run_folder(args, recipe, world)
+            history = resume["history"] if resume is not None else None
+            record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
+                else NullRecord(folder)
+            try:
+                code = _train_into(record, recipe, resume, device, args, world, stop)
+            except RunStopped as stopped:
+                return _stopped(stopped, world)
+            except BaseException:
+                record.discard()               # a failed run leaves no empty folder behind
+                raise
+            distributed.finish(world, recipe.distributed.timeout_s)
+            return code
+        finally:
+            distributed.stop()
 
 
 def _stopped(stopped: RunStopped, world: World) -> int:
