@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -75,7 +76,8 @@ class LocalSlurm:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # a requeued job waits out the credentials' lifetime before it starts again (120 s by default)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
@@ -259,6 +261,46 @@ def test_torchrun_sbatch_script_trains_with_two_processes(slurm, fashion_small, 
     assert (s["launcher"], s["world_size"], s["nodes"], s["processes_per_node"]) == ("torchrun", 2, 1, 2), s
     assert (s["per_rank_batch"], s["batch_size"], s["steps"], s["backend"]) == (128, 256, 4, "gloo"), s
     assert log.count("test accuracy") == 1 and "2 (128 images each per step, 1 node)" in log, log
+
+
+def test_a_job_signalled_before_its_time_limit_requeues_itself_and_ends_with_the_uninterrupted_weights(
+        slurm, fashion_small, tmp_path):
+    """scripts/speedrun.sbatch with one task: SIGUSR1 (what its --signal line asks for ahead of the
+    time limit) once the run is mid-epoch; the job checkpoints, requeues itself, starts again,
+    continues its --out folder and finishes with the weights of an uninterrupted run."""
+    import torch
+    args = ["fashion-mnist", "--data-dir", fashion_small, "--device", "cpu", "--seed", "4", "--set", "data.dataset=npz",
+            "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=32", "--set", "eval.tta=none",
+            "--set", "train.epochs=1.5"]                                    # 48 steps, 32 an epoch
+    whole = subprocess.Popen([sys.executable, "-m", "speedrun", "train", *map(str, args), "--out",
+                              str(tmp_path / "whole")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**foreign_launcher_free(os.environ), "OMP_NUM_THREADS": "1"})   # as the job's task
+    run = tmp_path / "run"
+    cpu = ["--ntasks-per-node", "1", "--cpus-per-task", "1", "--gpus-per-task", "0"]
+    submitted = subprocess.run([program("sbatch"), "--parsable", "--output", str(tmp_path / "slurm-%j.out"), *CPU_JOB,
+                                *cpu, str(REPO / "scripts" / "speedrun.sbatch"), *map(str, args), "--log-every", "1",
+                                "--out", str(run)], capture_output=True, text=True, cwd=tmp_path,
+                               env={**slurm.env, "SPEEDRUN_PYTHON": sys.executable}, timeout=60)
+    job = submitted.stdout.strip().split(";")[0]
+    assert submitted.returncode == 0 and job, submitted.stderr
+    log = tmp_path / f"slurm-{job}.out"
+    text = lambda: log.read_text(errors="replace") if log.is_file() else ""
+    deadline = time.monotonic() + 240
+    while not re.search(r"step ([3-9]|[1-3]\d)/48", text()):
+        assert time.monotonic() < deadline and "test accuracy" not in text(), f"{text()}\n{slurm.logs()}"
+        time.sleep(0.1)
+    subprocess.run([program("scancel"), "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
+    while not (run / "summary.json").exists() or any(line.split()[0] == job for line in slurm.jobs()):
+        assert time.monotonic() < deadline + 120, f"job {job} did not finish:\n{text()}\n{slurm.logs()}"
+        time.sleep(0.5)
+    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+) of 48; .*SLURM job {job} requeued", text())
+    assert stopped, f"{text()}\n{slurm.logs()}"
+    s = read_summary(run, text())
+    assert s["resumed_from_step"] == int(stopped.group(1)) and s["steps"] == 48, s
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    b = torch.load(run / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_task_srun_gave_one_gpu_uses_it(monkeypatch):

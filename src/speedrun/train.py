@@ -1,6 +1,7 @@
 """``speedrun train``: one run of a recipe, from files on disk to a run record."""
 from __future__ import annotations
 
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -12,7 +13,7 @@ from .engine import checkpoint as ckpt
 from .engine import distributed
 from .engine.batch_finder import halve_batch, is_out_of_memory
 from .engine.distributed import World
-from .engine.loop import DataFailure, Session
+from .engine.loop import DataFailure, RunStopped, Session
 from .engine.plan import fit_batch_to_device, plan_run
 from .engine.precision import NonFiniteLoss
 from .engine.runtime import pick_device, resolve_runtime
@@ -20,6 +21,7 @@ from .errors import DistributedError, RecipeError, RunFolderError, TrainingStopp
 from .files import check_output_folder
 from .recipe import Recipe, load_recipe
 from .run_lock import RunFolderLock
+from .stop_signals import RESUMABLE_EXIT, StopSignals, requeue_slurm_job
 from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
@@ -60,7 +62,7 @@ def _recipe_for(args) -> tuple[Recipe, dict | None, Path | None]:
     return recipe, state, folder
 
 
-def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: World):
+def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: World, stop: StopSignals):
     """Build the session and train; with runtime.find_batch, an out-of-memory error during
     training (the probe before it cannot see everything the run allocates) halves the batch
     and starts the run again. Only rank 0 shows progress and writes (the record and the
@@ -81,7 +83,7 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
             with (TrainingProgress(recipe.name, args.log_every) if world.is_main else nullcontext(None)) as progress:
                 result = session.run(progress=progress, checkpoint_dir=record.folder if world.is_main else None,
                                      resume=resume, on_epoch=epoch_done if world.is_main else None,
-                                     on_steps=logs.steps if logs is not None else None)
+                                     on_steps=logs.steps if logs is not None else None, stop=stop)
             if logs is not None:
                 logs.finish(result.test_acc, result.test_acc_no_tta)
             return session, result
@@ -99,20 +101,29 @@ def _train(recipe: Recipe, source, runtime, record, resume, say, args, world: Wo
 
 
 def _run_folder(args, recipe: Recipe, world: World) -> Path:
-    """--out, or a new folder under runs/: for a job of several processes one name for all of
-    them (the job's id where the launcher gives one, so a restarted job finds its folder)."""
+    """--out, or a new folder under runs/: for a job of several processes, or a SLURM job, one
+    name for all of them (the job's id where the launcher gives one, so a restarted or
+    requeued job finds its folder)."""
     if args.out:
         return Path(args.out)
-    if world.distributed and world.job_id:
+    if world.job_id:
         return Path("runs") / f"{recipe.name}-{world.job_id}"
     return Path(distributed.broadcast_object(str(new_run_dir(recipe.name)) if world.is_main else None, world))
+
+
+def _restarted_run(args, world: World) -> str | None:
+    """The folder to continue when the launcher started this job again (torchrun's restarts,
+    a requeued SLURM job) and the run it had begun left a checkpoint there."""
+    if args.resume is not None or not world.restart or not (args.out or (args.recipe and world.job_id)):
+        return None
+    folder = Path(args.out) if args.out else _run_folder(args, load_recipe(args.recipe, list(args.overrides)), world)
+    return str(folder) if (folder / ckpt.NAME).is_file() and not (folder / "summary.json").exists() else None
 
 
 def train_command(args) -> int:
     world = distributed.detect()
     chosen = loggers.parse(args.log)
-    if world.distributed and args.resume is None and world.restart and args.out and (Path(args.out) / ckpt.NAME).is_file():
-        args.resume = str(args.out)             # torchrun restarted the job: continue from its last checkpoint
+    args.resume = args.resume or _restarted_run(args, world)      # continue from the run's last checkpoint
     recipe, resume, folder = _recipe_for(args)
     args.log = chosen if chosen is not None else loggers.found_in(folder) if folder else ()
     loggers.require(args.log)
@@ -123,36 +134,59 @@ def train_command(args) -> int:
     resolve_runtime(recipe.runtime, device)     # a runtime this device refuses stops here, before the job starts
     distributed.start(world, device, distributed.backend_for(recipe.distributed.backend, device),
                       recipe.distributed.timeout_s)
+    stop = StopSignals()
     lock = None
-    try:
-        folder = folder or _run_folder(args, recipe, world)
-        lock = RunFolderLock(folder, "--out" if args.resume is None else "--resume") if world.is_main else None
-        if lock is not None and lock.taken_over:
-            print(f"speedrun: {folder} was left locked by process {lock.taken_over}, which is no longer running; "
-                  "this run takes it over")
-        history = resume["history"] if resume is not None else None
-        record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
-            else NullRecord(folder)
+    with stop.installed():                     # until the process group is gone: a stopped rank exits whole
         try:
-            code = _train_into(record, recipe, resume, device, args, world)
+            folder = folder or _run_folder(args, recipe, world)
+            lock = RunFolderLock(folder, "--out" if args.resume is None else "--resume") if world.is_main else None
+            if lock is not None and lock.taken_over:
+                print(f"speedrun: {folder} was left locked by process {lock.taken_over}, which is no longer running; "
+                      "this run takes it over")
+            history = resume["history"] if resume is not None else None
+            record = RunRecord(folder, resume_history=history, restarted=world.restart > 0) if world.is_main \
+                else NullRecord(folder)
+            try:
+                code = _train_into(record, recipe, resume, device, args, world, stop)
+            except RunStopped as stopped:
+                return _stopped(stopped, world)
+            except BaseException:
+                record.discard()               # a failed run leaves no empty folder behind
+                raise
             distributed.finish(world, recipe.distributed.timeout_s)
             return code
-        except BaseException:
-            record.discard()                   # a failed run leaves no empty folder behind
-            raise
-    finally:
-        if lock is not None:
-            lock.release()
-        distributed.stop()
+        finally:
+            if lock is not None:
+                lock.release()
+            distributed.stop()
 
 
-def _train_into(record, recipe: Recipe, resume, device: torch.device, args, world: World) -> int:
+def _stopped(stopped: RunStopped, world: World) -> int:
+    """Rank 0 says where the run stopped and how to continue it, and requeues a SLURM job that
+    asked for it (SIGUSR1); every rank exits with RESUMABLE_EXIT."""
+    if world.is_main:
+        name, where = signal.Signals(stopped.signum).name, stopped.checkpoint.parent
+        line = (f"speedrun: stopped by {name} after step {stopped.step} of {stopped.total_steps}; checkpoint: "
+                f"{stopped.checkpoint}; continue with `speedrun train --resume {where}`"
+                + (" (under torchrun or srun, the same launch with --resume)" if world.distributed else ""))
+        try:
+            job = requeue_slurm_job(stopped.signum)
+        except RuntimeError as err:
+            line += f"; the SLURM job could not be requeued: {err}"
+        else:
+            if job is not None:
+                line += f"; SLURM job {job} requeued: it continues from this checkpoint when it starts again"
+        print(line, flush=True)
+    return RESUMABLE_EXIT
+
+
+def _train_into(record, recipe: Recipe, resume, device: torch.device, args, world: World, stop: StopSignals) -> int:
     env = environment()
     say = (lambda msg: print(f"speedrun: {msg}")) if world.is_main else (lambda msg: None)
     plan = plan_run(recipe, args.data_dir, device, say, announce=True)
     recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     try:
-        session, result = _train(recipe, source, runtime, record, resume, say, args, world)
+        session, result = _train(recipe, source, runtime, record, resume, say, args, world, stop)
         recipe = session.recipe
     except NonFiniteLoss as err:
         path = record.save_weights(err.last_good, "last_good.pt")

@@ -17,7 +17,7 @@ class World:
     local_size: int = 1
     nodes: int = 1
     launcher: str = "single"              # "torchrun" (or any launcher setting RANK/WORLD_SIZE), "slurm"
-    restart: int = 0                      # torchrun's restart count (--max-restarts)
+    restart: int = 0                      # starts of this job before this one: torchrun's restarts, SLURM's requeues
     job_id: str | None = None             # torchrun's run id or SLURM's job id
 
     @property
@@ -49,22 +49,24 @@ def _tasks_per_node(text: str | None) -> int | None:
 def detect(env=None) -> World:
     """The world from the environment the launcher set: torchrun's (RANK, WORLD_SIZE,
     LOCAL_RANK, ...) or srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...); else one
-    process. torchrun inside an srun allocation sets its own variables, which win."""
+    process. torchrun inside an srun allocation sets its own variables, which win; a requeued
+    SLURM job (SLURM_RESTART_COUNT) counts as restarted under either."""
     env = os.environ if env is None else env
+    requeued = _int(env, "SLURM_RESTART_COUNT", default=0)
     if "RANK" in env and "WORLD_SIZE" in env:
         size = _int(env, "WORLD_SIZE", default=1)
         local_size = _int(env, "LOCAL_WORLD_SIZE", default=size)
         return World(rank=_int(env, "RANK", default=0), size=size, local_rank=_int(env, "LOCAL_RANK", default=0),
                      local_size=local_size, nodes=_int(env, "GROUP_WORLD_SIZE", default=max(1, size // local_size)),
                      launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env else "env",
-                     restart=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
+                     restart=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0) + requeued,
                      job_id=env.get("TORCHELASTIC_RUN_ID"))
     if _int(env, "SLURM_NTASKS", "SLURM_NPROCS", default=1) > 1 and "SLURM_PROCID" in env:
         size = _int(env, "SLURM_NTASKS", "SLURM_NPROCS")
         return World(rank=_int(env, "SLURM_PROCID"), size=size, local_rank=_int(env, "SLURM_LOCALID", default=0),
                      local_size=_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"))
                      or size, nodes=_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1),
-                     launcher="slurm", job_id=env.get("SLURM_JOB_ID"))
-    return World()
+                     launcher="slurm", restart=requeued, job_id=env.get("SLURM_JOB_ID"))
+    return World(restart=requeued)
 
 

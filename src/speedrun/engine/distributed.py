@@ -277,3 +277,30 @@ def lost_peer(err: BaseException) -> bool:
     if network_error is not None and isinstance(err, network_error):
         return True
     return any(k in text for k in PEER_FAILURES)
+
+
+class StopAgreement:
+    """Whether any rank received a stop signal, agreed by all ranks at a step boundary so that
+    every rank stops after the same step: a MAX all-reduce of one integer held on the CPU, over
+    gloo (the job's own group on CPUs, a second gloo group beside NCCL), so the device's queue
+    gets no synchronisation. Every rank constructs it and calls :meth:`signal` at the same steps."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.group = None
+        if world.distributed and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def signal(self, received: int | None) -> int | None:
+        """The signal some rank received (the highest number where several did), or None."""
+        if not self.world.distributed:
+            return received
+        self.flag[0] = received or 0
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(self.flag[0]) or None
+
+    def wait_for_all(self) -> None:
+        """Every rank past this point (rank 0 has written the checkpoint)."""
+        if self.world.distributed:
+            dist.barrier(group=self.group)

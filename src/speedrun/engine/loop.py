@@ -48,6 +48,15 @@ class DataFailure(RuntimeError):
         super().__init__(str(error))
 
 
+class RunStopped(Exception):
+    """A stop signal ended the run at a step boundary; rank 0 wrote ``checkpoint`` (None where
+    the run had no folder to write it to)."""
+
+    def __init__(self, signum: int, step: int, total_steps: int, checkpoint: Path | None):
+        self.signum, self.step, self.total_steps, self.checkpoint = signum, step, total_steps, checkpoint
+        super().__init__(f"stopped by signal {signum} after step {step}")
+
+
 class NullProgress:
     def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None: ...
     def step(self) -> None: ...
@@ -160,6 +169,7 @@ class Session:
         if runtime.compile or warm_up:
             self.compile_seconds = run_warm_up(self)
         self._reset_for: int | None = None
+        self._stop = None                             # (StopSignals, StopAgreement) while a run listens
 
     def reset(self, seed: int) -> None:
         """Re-initialise the model from ``seed`` (construction, then a copy onto the device)."""
@@ -179,10 +189,12 @@ class Session:
     # Training
     # ------------------------------------------------------------------------------------
     def run(self, seed: int | None = None, progress=None, on_epoch=None, checkpoint_dir: Path | None = None,
-            resume: dict | None = None, on_steps=None) -> RunResult:
+            resume: dict | None = None, on_steps=None, stop=None) -> RunResult:
         """Train from a fresh initialisation (or from the checkpoint ``resume``);
         ``on_epoch(record)`` is called after each epoch, ``on_steps(EpochSteps)`` after each
-        epoch's losses are read back (with the clock paused)."""
+        epoch's losses are read back (with the clock paused). ``stop``: the process's
+        :class:`~speedrun.stop_signals.StopSignals`; a signal it records ends the run at the
+        next step boundary with a checkpoint in ``checkpoint_dir`` (:class:`RunStopped`)."""
         r, rt, model, step = self.recipe, self.runtime, self.model, self.step
         seed = (resume["seed"] if resume else r.train.seed) if seed is None else seed
         progress = progress or NullProgress()
@@ -213,6 +225,10 @@ class Session:
         base_lr, lrs, moms = step.base_lr(), step.schedule.lrs, step.schedule.moms
         with clock.pause("bookkeeping"):
             last_good = LastGood(model, step.steps_done)
+        self._stop = None
+        if stop is not None:
+            self._stop = (stop, distributed.StopAgreement(self.world))
+            stop.training = True
 
         try:
             for epoch in range(st.epoch, self.n_epochs):
@@ -317,7 +333,24 @@ class Session:
             if checkpoint_dir is not None and every and done % every == 0 and done < self.total_steps:
                 with clock.pause("bookkeeping"):
                     ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock)
+            if self._stop is not None and done < self.total_steps:
+                self._stop_if_signalled(checkpoint_dir, seed, st, i + 1, clock)
         return first
+
+    def _stop_if_signalled(self, checkpoint_dir, seed: int, st: RunState, batch_in_epoch: int, clock: Clock) -> None:
+        """At a step boundary: when a rank received a stop signal (agreed by all ranks, on the
+        host), checkpoint this step (rank 0, which holds ``checkpoint_dir``) and raise RunStopped
+        on every rank once it is written."""
+        stop, agreement = self._stop
+        signum = agreement.signal(stop.received)
+        if signum is None:
+            return
+        stop.saving = True                   # further signals can no longer interrupt the write
+        path = None
+        if checkpoint_dir is not None:
+            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, batch_in_epoch, clock)
+        agreement.wait_for_all()
+        raise RunStopped(signum, self.step.steps_done, self.total_steps, path)
 
     def _check_epoch(self, st: RunState, first: int, last_good: LastGood, lr: float) -> tuple[EpochRecord, list[float]]:
         """Read the epoch's metrics back (the record and the per-step losses, averaged over

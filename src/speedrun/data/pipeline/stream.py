@@ -26,6 +26,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ...errors import DataError
+from ...stop_signals import ignore_in_worker
 from ..augment.batch import reflect_pad
 from ..augment.resized_crop import RRC_TRIES, centre_fallback
 from ..sources.folder import ImageList, decode, read_bytes
@@ -259,7 +260,8 @@ class StreamedData:
         workers = default_workers(cfg.workers)
         self.common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
                            persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-                           multiprocessing_context=worker_context() if workers else None)
+                           multiprocessing_context=worker_context() if workers else None,
+                           worker_init_fn=ignore_in_worker)
         self.train_items = ImageItems(source.train, Decoding.for_training(source.channels, cfg, aug, seed))
         self.val_items = ImageItems(source.val, Decoding.for_evaluation(source.channels, cfg))
         self.train_sampler = EpochSampler(len(source.train), cfg.batch_size, seed, True, source.size, shard)
@@ -320,7 +322,8 @@ class StreamedData:
                                                              skip_corrupt=d.skip_corrupt))
         sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
-                            collate_fn=collate, multiprocessing_context=self.common["multiprocessing_context"])
+                            collate_fn=collate, multiprocessing_context=self.common["multiprocessing_context"],
+                            worker_init_fn=ignore_in_worker)
         batches = []
         for x, _, _, skipped in loader:
             self._note(skipped)

@@ -1,0 +1,89 @@
+"""Stopping a training run on a signal without losing it: SIGTERM (what SLURM sends at
+preemption and at the time limit, and torchrun when it stops a job), SIGUSR1 (what a SLURM
+job asks for ahead of its time limit with ``--signal=USR1@SECONDS``) and SIGINT (Ctrl-C).
+
+The handler only records the signal; the training loop reads the record on the host at the
+next step boundary, checkpoints and ends the run with :data:`RESUMABLE_EXIT`. A signal that
+arrives while the checkpoint is written changes nothing (the handler stays installed until
+the process has said what it did), and the file is written to a temporary name and renamed.
+
+This module sits low in the package (the data layer's worker processes use it too): it
+imports nothing from speedrun.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from contextlib import contextmanager
+
+RESUMABLE_EXIT = 75
+"""The exit code of a run stopped by a signal after writing its checkpoint: EX_TEMPFAIL of
+sysexits.h ("try again later"), distinct from errors (1), refused input (2) and an
+interruption that saved nothing (130)."""
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignals:
+    """The first of :data:`SIGNALS` that reached this process, while installed. Before the
+    training loop has started (and for a second Ctrl-C) SIGINT interrupts at once, as Python's
+    own handler does: there is nothing to save yet, or the user insists."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.training = False                 # set by the loop: from now on a stop is a checkpoint
+        self.saving = False                   # set once the stop's checkpoint is being written
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    def _handle(self, signum, frame) -> None:
+        if self.saving:                       # the checkpoint is being written, or was: let it be
+            return
+        if signum == signal.SIGINT and (not self.training or self.received == signal.SIGINT):
+            raise KeyboardInterrupt
+        if self.received is None:
+            self.received = signum
+
+    @contextmanager
+    def installed(self):
+        """Record the signals for the duration of the block, then put the previous handlers
+        back (signals can be caught in the main thread only; elsewhere this does nothing)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def ignore_in_worker(worker_id: int = 0) -> None:
+    """A data-loading worker process leaves the stop signals to its parent: SLURM and a
+    terminal signal every process of a job or process group, and a worker that died of one
+    would fail the step the parent is finishing. The parent ends its workers itself."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def requeue_slurm_job(signum: int | None, env=None) -> str | None:
+    """Put this SLURM job back in the queue after a SIGUSR1 (the signal the shipped sbatch
+    scripts ask for ahead of the time limit), so it resumes its run folder when it starts
+    again; returns the job id, or None where there is nothing to requeue. SIGTERM and SIGINT
+    (a cancel, the time limit itself, Ctrl-C) never requeue."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if signum != signal.SIGUSR1 or not job:
+        return None
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"`scontrol requeue {job}` could not run ({err})") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"`scontrol requeue {job}` failed: {(done.stderr or done.stdout).strip()[:300]}")
+    return job
