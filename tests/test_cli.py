@@ -55,7 +55,7 @@ def test_config_is_the_fully_resolved_recipe(quick_run):
     assert config["model"]["widths"] == [16, 32, 32]
     assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default", "channels_last": True,
                                  "cast": "autocast", "find_batch": False, "hold_memory": "auto",
-                                 "conv_weight_grad": "torch"}
+                                 "conv_weight_grad": "torch", "master_weights": "none", "threads": "auto"}
     assert load_recipe(str(out / "config.toml")).eval.tta == "flip"
 
 
@@ -63,7 +63,8 @@ def test_metrics_have_one_line_per_epoch(quick_run):
     out, _ = quick_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
-    assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds", "skipped_steps"}
+    assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds", "seconds_total",
+                            "skipped_steps"}
     summary = json.loads((out / "summary.json").read_text())
     assert rows[0]["test_acc"] == summary["test_acc_no_tta"]
 

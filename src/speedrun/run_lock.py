@@ -11,7 +11,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from .errors import RunFolderError
+from .errors import RunFolderError, SpeedrunError
 from .files import make_folder
 
 LOCK_NAME = ".speedrun.lock"
@@ -51,7 +51,10 @@ class RunFolderLock:
             p = p.parent
         if not self.made and self.path.exists():
             self._refuse_if_held(option)             # nothing is created or changed when refused
-        make_folder(self.folder)
+        try:
+            make_folder(self.folder)
+        except SpeedrunError as err:                 # (the disk's own words, with the option that named it)
+            raise type(err)(f"{option} {self.folder}: {err}") from None
         self.fd = self._take(option)
 
     def _refuse_if_held(self, option: str) -> None:

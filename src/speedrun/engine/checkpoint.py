@@ -72,11 +72,46 @@ def load(path: str | Path) -> dict:
     return state
 
 
-def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock) -> Path:
+def rank_state(model, step) -> dict:
+    """What one process of a data-parallel run keeps apart from the others, whose weights and
+    optimizer state are the same as its own: its batch-norm statistics (its own batches moved
+    them), their weight average, and its per-step losses."""
+    params = {name for name, _ in model.named_parameters()}
+    entries = model.state_dict(keep_vars=True)
+    floating = [name for name, t in entries.items() if t.is_floating_point()]
+    shadow = step.averager.shadow if step.averager is not None else None
+    averaged = None
+    if shadow is not None and len(shadow) == len(floating):
+        averaged = {name: shadow[i].detach().cpu().clone() for i, name in enumerate(floating) if name not in params}
+    return {"buffers": {name: t.detach().cpu().clone() for name, t in entries.items() if name not in params},
+            "averager": averaged, "metrics": step.metrics.detach().cpu().clone()}
+
+
+@torch.no_grad()
+def restore_rank_state(state: dict, rank: int, model, step) -> None:
+    """Put back this process's own part of a data-parallel checkpoint (:func:`rank_state`),
+    where the checkpoint holds one for ``rank`` (a run resumed on as many processes)."""
+    ranks = state.get("ranks")
+    if not ranks or rank >= len(ranks):
+        return
+    own = ranks[rank]
+    model.load_state_dict(own["buffers"], strict=False)
+    step.metrics.copy_(own["metrics"])
+    if own["averager"] is not None and step.averager is not None:
+        floating = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()]
+        for i, name in enumerate(floating):
+            if name in own["averager"]:
+                step.averager.shadow[i].copy_(own["averager"][name])
+
+
+def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock,
+             ranks: list[dict] | None = None) -> Path:
     """Checkpoint a run in the middle of epoch ``st.epoch``, after ``batch_in_epoch`` of its
     batches (``step``: the :class:`~speedrun.engine.step.TrainStep`, ``st``: the loop's
-    RunState, ``clock``: its Clock)."""
+    RunState, ``clock``: its Clock); ``ranks``: each process's :func:`rank_state` in a
+    data-parallel run."""
     return save(folder, {
+        **({"ranks": ranks} if ranks else {}),
         "recipe": recipe.to_dict(), "recipe_hash": recipe.digest(), "seed": seed,
         "step": step.steps_done, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
         "model": model.state_dict(), "train_step": step.state_dict(),

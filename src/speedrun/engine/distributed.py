@@ -148,6 +148,15 @@ def all_gather_tensor(t: torch.Tensor, world: World) -> list[torch.Tensor]:
     return out
 
 
+def gather_objects(obj, world: World, group=None) -> list | None:
+    """Every rank's ``obj`` on rank 0 (None on the others; ``[obj]`` in one process)."""
+    if not world.distributed:
+        return [obj]
+    out = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
 def broadcast_object(obj, world: World):
     """Rank 0's ``obj`` on every rank."""
     if not world.distributed:

@@ -219,6 +219,7 @@ class Session:
         pruner = step.loss.pruner = self._pruner(data)
         if resume is not None:
             clock = Clock(rt, *ckpt.restore_run(resume, self.recipe, model, step, st))
+            ckpt.restore_rank_state(resume, self.world.rank, model, step)
             if pruner is not None:                      # its passes span epochs: the generator as it was
                 pruner.load_state_dict(resume["pruner"])
                 st.gen.set_state(resume["pruner"]["generator"])
@@ -330,12 +331,23 @@ class Session:
             step(x, y, size if in_step else None)         # (counts the step: step.steps_done)
             progress.step()
             done = step.steps_done
-            if checkpoint_dir is not None and every and done % every == 0 and done < self.total_steps:
+            if every and done % every == 0 and done < self.total_steps and (checkpoint_dir or self.world.distributed):
                 with clock.pause("bookkeeping"):
-                    ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock)
+                    ranks = self._rank_states()                 # (every rank takes part)
+                    if checkpoint_dir is not None:
+                        ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock, ranks)
             if self._stop is not None and done < self.total_steps:
                 self._stop_if_signalled(checkpoint_dir, seed, st, i + 1, clock)
         return first
+
+    def _rank_states(self) -> list[dict] | None:
+        """Each process's own part of a checkpoint (:func:`~speedrun.engine.checkpoint.rank_state`),
+        gathered on rank 0 from every rank, which must all call this at the same step; None in
+        one process, whose checkpoint holds it already."""
+        if not self.world.distributed:
+            return None
+        group = self._stop[1].group if self._stop is not None else None
+        return distributed.gather_objects(ckpt.rank_state(self.model, self.step), self.world, group)
 
     def _stop_if_signalled(self, checkpoint_dir, seed: int, st: RunState, batch_in_epoch: int, clock: Clock) -> None:
         """At a step boundary: when a rank received a stop signal (agreed by all ranks, on the
@@ -347,8 +359,10 @@ class Session:
             return
         stop.saving = True                   # further signals can no longer interrupt the write
         path = None
+        ranks = self._rank_states()
         if checkpoint_dir is not None:
-            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, batch_in_epoch, clock)
+            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, batch_in_epoch, clock,
+                                 ranks)
         agreement.wait_for_all()
         raise RunStopped(signum, self.step.steps_done, self.total_steps, path)
 
