@@ -6,7 +6,7 @@
 
 The entries are the recipe/data pairs of tests/matrix.py (every shipped recipe on each pipeline
 it supports, small widths, a few epochs of small slices), run here with the CUDA defaults (bf16,
-compiled with inductor), plus cifar10-94 with CUDA graphs (runtime.compile_mode = reduce-overhead) and at its
+compiled with inductor), plus cifar10-94 with CUDA graphs (runtime.cuda_graphs = on) and at its
 real widths, and a resume from a mid-run checkpoint on the device. For each entry the record
 holds: the warm-up (compile) seconds, graphs compiled during the timed run (must be 0), whether
 every loss was finite, the accuracy, ms per training step from CUDA events (median of
@@ -170,6 +170,7 @@ def run_entry(entry: Entry, data_root: Path, device: torch.device, extra: list[s
         result = session.run(progress=timer, checkpoint_dir=ckpt_dir)
         losses = [h.train_loss for h in result.history]
         row.update(ok=True, precision=runtime.precision, compile_mode=runtime.compile_mode,
+                   cuda_graphs=runtime.cuda_graphs,
                    compile_seconds=session.compile_seconds, recompiles=result.recompiles,
                    finite_losses=all(math.isfinite(v) for v in losses), losses=losses, steps=result.steps,
                    test_acc=result.test_acc, train_seconds=result.train_seconds, step_ms=timer.step_ms(),
@@ -206,7 +207,7 @@ def plan() -> list[tuple[str, Entry, list[str], bool]]:
     base = next(e for e in MATRIX if e.recipe == "cifar10-94" and e.backend and e.precision == "bf16")
     full = dataclasses.replace(base, sets=("data.dataset=npz", "train.epochs=2"))
     runs.append(("cifar10-94/cifar_small/real-widths", full, [], False))
-    runs.append(("cifar10-94/cifar_small/real-widths/cuda-graphs", full, ["runtime.compile_mode=reduce-overhead"],
+    runs.append(("cifar10-94/cifar_small/real-widths/cuda-graphs", full, ["runtime.cuda_graphs=on"],
                  False))
     for e in MATRIX:                                      # each recipe on each of its pipelines, with the
         label = f"{e.recipe}/{e.data}"                    # CUDA defaults (run_entry sets them)
@@ -214,7 +215,7 @@ def plan() -> list[tuple[str, Entry, list[str], bool]]:
             continue
         seen.add(label)
         runs.append((label, e, [], "checkpoint.every_steps=2" in e.sets))
-    runs.append(("cifar10-94/cifar_small/cuda-graphs", base, ["runtime.compile_mode=reduce-overhead"], False))
+    runs.append(("cifar10-94/cifar_small/cuda-graphs", base, ["runtime.cuda_graphs=on"], False))
     return runs
 
 

@@ -1,5 +1,5 @@
 """Every device-specific choice, made in one place and recorded in the run's summary:
-precision, torch.compile and its mode, memory layout, cuDNN autotuning, and the dtype the
+precision, torch.compile with its kernel search and CUDA graphs (see engine/compiling.py), memory layout, cuDNN autotuning, and the dtype the
 data is stored in. Also the one compiled model a process keeps (see :func:`compiled_model`).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .. import compat
 from . import memory
+from .compiling import MAX_AUTOTUNE_ON_CPU, choice_costs, inductor_options, uses_cuda_graphs
 from ..errors import RecipeError
 from ..models import weight_grad
 from ..models.norm import norm_in_fp32
@@ -63,6 +64,7 @@ class Runtime:
     hold_memory: bool = False              # glibc keeps freed memory (engine/memory.py)
     conv_weight_grad: str = "torch"        # 3x3 weight gradients: torch's, gemm, or auto (models/weight_grad.py)
     cast: str = "autocast"                 # bf16/fp16 by autocast, or the model stored in it (runtime.cast)
+    graphs: str = "auto"                   # CUDA graphs: auto, on or off (runtime.cuda_graphs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -74,7 +76,7 @@ class Runtime:
 
     @property
     def cuda_graphs(self) -> bool:
-        return uses_cuda_graphs(self.device.type, self.compile, self.compile_mode, self.compile_backend)
+        return uses_cuda_graphs(self.device.type, self.compile, self.compile_mode, self.compile_backend, self.graphs)
 
     @property
     def cudnn_benchmark(self) -> bool:
@@ -149,21 +151,10 @@ class Runtime:
                 "precision": self.precision, "compile": self.compile,
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
+                "cuda_graphs": self.cuda_graphs,
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
                 "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
                 "runtime_choices": list(self.choices)}
-
-
-CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
-"""The ``torch.compile`` modes in which inductor replays compiled code as CUDA graphs
-(``list_mode_options(mode)["triton.cudagraphs"]``; "max-autotune-no-cudagraphs" does not)."""
-
-
-def uses_cuda_graphs(device_type: str, compile_: bool, mode: str, backend: str) -> bool:
-    """Whether compiled code replays as CUDA graphs, so that each training step must begin
-    with ``cudagraph_mark_step_begin()``: on CUDA, compiled by inductor (other backends take
-    no mode) in a mode that uses them."""
-    return device_type == "cuda" and compile_ and backend == "inductor" and mode in CUDA_GRAPH_MODES
 
 
 def auto_cuda_precision(capability: tuple[int, int]) -> str:
@@ -272,10 +263,17 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
     if backend not in ("inductor", "aot_eager", "eager"):
         raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
+    if compile_ and not cuda and backend == "inductor" and cfg.compile_mode == "max-autotune":
+        raise RecipeError(MAX_AUTOTUNE_ON_CPU)
     if compile_ and not cuda and backend == "inductor" and cpp_compiler() is None:
         compile_ = False
         choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
                        "eager (install one, e.g. Debian's g++, to compile)")
+    if compile_ and backend == "inductor":
+        choices += choice_costs(device.type, cfg.compile_mode,
+                                uses_cuda_graphs(device.type, compile_, cfg.compile_mode, backend, cfg.cuda_graphs))
+    if cfg.cuda_graphs == "on" and not cuda:
+        choices.append("CUDA graphs: none on a CPU (runtime.cuda_graphs=on applies on CUDA devices)")
     hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library(), cfg.find_batch)
     choices.append(why)
     wgrad = weight_grad.resolve(cfg.conv_weight_grad, device.type, precision, compile_)
@@ -285,7 +283,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if cfg.cast == "model" and precision == "fp32":
         choices.append("runtime.cast=model has nothing to cast in fp32: the model stays fp32")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
-                   wgrad, cfg.cast)
+                   wgrad, cfg.cast, cfg.cuda_graphs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,10 +324,11 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime,
 
 def compile_function(fn, runtime: Runtime):
     """``fn`` (a function or module) compiled as the runtime says: static shapes (each shape a
-    run uses is compiled once, in the warm-up), its mode with inductor (other backends take
-    no mode) and its backend."""
-    mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
-    return torch.compile(fn, dynamic=False, mode=mode, backend=runtime.compile_backend)
+    run uses is compiled once, in the warm-up), its kernel search and CUDA graphs as inductor
+    options (other backends take none) and its backend."""
+    options = (inductor_options(runtime.compile_mode, runtime.cuda_graphs)
+               if runtime.compile_backend == "inductor" else None)
+    return torch.compile(fn, dynamic=False, options=options, backend=runtime.compile_backend)
 
 
 def compiled_graphs() -> int:
