@@ -97,10 +97,16 @@ SHAPE_COSTS = {
 }
 """Cold compile seconds by device kind and model family (records in benchmarks/results/)."""
 
-CPU_RESNET_BF16_SPEEDUP = 0.22
-"""A ResNet step in bf16 with fp32 batch norm, compiled against eager, on a 2-core Zen 4
-(benchmarks/results/step-structure-amd-epyc-25-17.json: ResNet-50 at 64 px, batch 64, 549 ms
-compiled against 704 ms eager)."""
+CPU_RESNET_BF16_STEP_MS = (704.0, 549.0)
+"""A ResNet step in bf16 with fp32 batch norm, eager and compiled, on a 2-core Zen 4
+(benchmarks/results/step-structure-amd-epyc-25-17.json: ResNet-50 at 64 px, batch 64): 22%
+faster compiled, so its compiling (:data:`SHAPE_COSTS`) pays after about 700 steps."""
+
+
+def cpu_resnet_pays_after() -> int:
+    """Steps after which a compiled bf16 ResNet has paid for its cold compile on a CPU."""
+    eager, compiled = CPU_RESNET_BF16_STEP_MS
+    return round(SHAPE_COSTS[("cpu", "resnet")].seconds / ((eager - compiled) / 1000))
 
 
 @dataclass(frozen=True)
@@ -140,19 +146,20 @@ def compile_plan_line(plan: CompilePlan, device_type: str, model: str | None, ca
 # Compiled code kept for the next process
 # ------------------------------------------------------------------------------------------
 
-def compiled_cache_dir(cache_root: Path) -> Path:
+def compiled_cache_dir(cache_root: Path | None = None) -> Path:
     """speedrun's folder for inductor's persistent caches: ``compiled/`` in the data cache's
     root (``$SPEEDRUN_CACHE``, else ``~/.cache/speedrun``); deleting it costs one cold compile."""
-    return cache_root / "compiled"
+    from ..data.sources.cache import cache_root as data_cache_root
+    return (cache_root or data_cache_root()) / "compiled"
 
 
-def compile_cache_location(cache_root: Path) -> str:
+def compile_cache_location(cache_root: Path | None = None) -> str:
     """Where this process's compiled code is kept: the user's ``$TORCHINDUCTOR_CACHE_DIR`` where
     set before speedrun started, else :func:`compiled_cache_dir`."""
     return _USER_CACHE_DIR or str(compiled_cache_dir(cache_root))
 
 
-def keep_compiled_code(cache_root: Path) -> str:
+def keep_compiled_code(cache_root: Path | None = None) -> str:
     """Point inductor's FX-graph and AOTAutograd caches (on by default in torch) at
     :func:`compile_cache_location`, and make sure both are on; returns the folder."""
     import torch._functorch.config as functorch_config

@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from .. import compat
 from . import memory
-from .compiling import MAX_AUTOTUNE_ON_CPU, choice_costs, inductor_options, uses_cuda_graphs
+from .compiling import (CPU_RESNET_BF16_STEP_MS, MAX_AUTOTUNE_ON_CPU, choice_costs, compile_cache_location,
+                        cpu_resnet_pays_after, inductor_options, keep_compiled_code, uses_cuda_graphs)
 from ..errors import RecipeError
 from ..models import weight_grad
 from ..models.norm import norm_in_fp32
@@ -133,6 +134,7 @@ class Runtime:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
             if self.compile_backend == "inductor":
+                keep_compiled_code()                # the next process reuses what this one compiles
                 from torch._inductor import config as inductor_config
                 from torch._inductor.scheduler import FusedSchedulerNode
                 done = compat.avoid_fused_reorder_assert(inductor_config, FusedSchedulerNode)
@@ -152,6 +154,8 @@ class Runtime:
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
                 "cuda_graphs": self.cuda_graphs,
+                "compile_cache_dir": (compile_cache_location() if self.compile and self.compile_backend == "inductor"
+                                      else None),
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
                 "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
                 "runtime_choices": list(self.choices)}
@@ -174,10 +178,9 @@ def auto_cpu_precision(bf16_units: tuple[str, ...]) -> str:
 
 
 CPU_COMPILE_MIN_STEPS = 2000
-"""Steps a compiled ResNet run in bf16 must have before compiling pays on a CPU, with a margin:
-on a 2-core Zen 4 (benchmarks/results/step-structure-amd-epyc-25-17.json) a ResNet-50 step at
-64 px, batch 64, took 549 ms compiled against 704 eager, for 106 s more warm-up with a cold
-compile cache: even after about 690 steps."""
+"""Steps a compiled ResNet run in bf16 must have before compiling pays on a CPU, with a margin
+over the break-even of the measured step times and cold compile seconds
+(:data:`speedrun.engine.compiling.CPU_RESNET_BF16_STEP_MS`, about 700 steps)."""
 
 
 def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
@@ -195,8 +198,9 @@ def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
         return False, ("compile off: a ResNet in bf16 with its batch norm in bf16 runs faster eager on a CPU "
                        "(ResNet-18D: 1.91 s a step eager, 2.79 s compiled, on a Zen 4)")
     if model == "resnet" and precision == "bf16" and steps is not None and steps >= CPU_COMPILE_MIN_STEPS:
-        return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled 22% faster per step on a "
-                      f"Zen 4; pays for its compilation after about 700 steps)")
+        eager, compiled = CPU_RESNET_BF16_STEP_MS
+        return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled {1 - compiled / eager:.0%} faster "
+                      f"per step on a Zen 4; pays for its compilation after about {cpu_resnet_pays_after()} steps)")
     if model is None or steps is None:
         return False, "compile off: eager on CPUs unless the run is known to pay for compiling"
     why = ("a speed net runs no faster compiled on a CPU" if model == "speednet" else
