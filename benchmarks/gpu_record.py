@@ -6,7 +6,7 @@ Real mode (the record for a GPU, e.g. against Keller Jordan's airbench):
 
     python benchmarks/gpu_record.py --runs 10 --data-dir DIR --commit SHA [--out FILE.json] \\
         --system peer:/path/to/airbench94_muon.py#210 --system speedrun:cifar10-94-fast#75 \\
-        --system 'speedrun:cifar10-94-fast@runtime.compile_mode=reduce-overhead#75' \\
+        --system 'speedrun:cifar10-94-fast@runtime.cuda_graphs=on#75' \\
         --system speedrun:cifar10-94 --system peer:/path/to/legacy/airbench94.py \\
         [--pair cifar10-94-fast:airbench94_muon.py ...] [--device cuda|cpu] [--set KEY=VALUE ...] \\
         [--work DIR] [--budget SECONDS] [--limit SECONDS]
@@ -37,7 +37,7 @@ of a lending.
 Synthetic mode (timing variants without data on the machine):
 
     python benchmarks/gpu_record.py --synthetic --recipe cifar10-94-fast --variant base \\
-        --variant 'ro:runtime.compile_mode=reduce-overhead' --runs 5 [--profile] \\
+        --variant 'ro:runtime.cuda_graphs=on' --runs 5 [--profile] \\
         [--n-train 50000 --n-test 10000] [--set KEY=VALUE ...] --out benchmarks/results/NAME.json
 
 Random uint8 images of CIFAR's shapes (3 x 32 x 32, 10 classes) as an ``.npz`` in a temporary

@@ -589,7 +589,7 @@ def run(args, commit, commit_source) -> int:
                       "(reading, decoding and resizing every training and validation file once, writing the cache)",
         },
         "recipe": recipe.name, "recipe_config": recipe.to_dict(),
-        "runtime": {"precision": runtime.precision, "compile": runtime.compile, "compile_mode": runtime.compile_mode,
+        "runtime": {"precision": runtime.precision, "compile": runtime.compile, "compile_mode": runtime.compile_mode, "cuda_graphs": runtime.cuda_graphs,
                     "channels_last": runtime.channels_last, "choices": list(runtime.choices)},
         "batch": recipe.data.batch_size, "image_size": recipe.data.image_size, "params": params,
         "build_and_warm_up_seconds": build_seconds, "compile_seconds": session.compile_seconds,

@@ -62,6 +62,7 @@ PROG = "photo_throughput"
 
 SUMMARY_TIMES = ("train_seconds", "final_eval_seconds", "compile_seconds", "monitor_seconds", "bookkeeping_seconds",
                  "wall_seconds", "recompiles", "steps", "batch_size", "epochs", "precision", "compile", "compile_mode",
+                 "cuda_graphs",
                  "channels_last", "device_name", "data_choices", "data_cache")
 
 
@@ -152,7 +153,7 @@ def model_step_child(args) -> int:
     atomic_write_json(args.result, {
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
         "run_cache_reused": (not cache["cache_made_now"]) if cache else None,
-        "runtime": {"precision": runtime.precision, "compile": runtime.compile, "compile_mode": runtime.compile_mode,
+        "runtime": {"precision": runtime.precision, "compile": runtime.compile, "compile_mode": runtime.compile_mode, "cuda_graphs": runtime.cuda_graphs,
                     "channels_last": runtime.channels_last},
         "total_steps": session.total_steps, "batch": recipe.data.batch_size, "per_size": per_size,
         "model_seconds_for_the_run": model_seconds, "recipe_config": recipe.to_dict()})

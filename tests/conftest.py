@@ -26,6 +26,12 @@ def pytest_configure(config):
     if not os.environ.get("SPEEDRUN_CACHE"):
         import tempfile
         os.environ["SPEEDRUN_CACHE"] = tempfile.mkdtemp(prefix="speedrun-test-cache-")
+    # compiled code: inductor's own shared cache (/tmp/torchinductor_USER) unless set, so that
+    # sessions reuse each other's compiles; the test of speedrun's own folder sets it apart
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        import getpass
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     # under xdist the workers share the 2 cores: one thread each, and the same for the
     # speedrun processes the tests start
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -128,9 +128,9 @@ MATRIX: list[Entry] = [
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=auto"]), "bf16"),
     # 3x3 weight gradients always as matrix products (auto measures them in the entry above)
     Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=gemm"]), "bf16"),
-    # (no entry for runtime.compile_mode: its modes differ from the default only by CUDA graphs,
-    # which cannot run on a CPU; which modes use them is tested in test_cuda_decisions.py, and
-    # benchmarks/gpu_smoke.py runs reduce-overhead on a GPU)
+    # (no entry for runtime.compile_mode or runtime.cuda_graphs: a CPU refuses max-autotune and
+    # replays no CUDA graphs; the inductor options each pair gives are tested in
+    # test_cuda_decisions.py, and benchmarks/gpu_smoke.py runs runtime.cuda_graphs=on on a GPU)
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET), "fp32", "aot_eager"),
 ]
 

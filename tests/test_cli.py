@@ -53,7 +53,8 @@ def test_config_is_the_fully_resolved_recipe(quick_run):
     config = tomllib.loads((out / "config.toml").read_text())
     assert config["train"]["epochs"] == 0.25 and config["train"]["seed"] == 3
     assert config["model"]["widths"] == [16, 32, 32]
-    assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default", "channels_last": True,
+    assert config["runtime"] == {"precision": "auto", "compile": "auto", "compile_mode": "default",
+                                 "cuda_graphs": "auto", "channels_last": True,
                                  "cast": "autocast", "find_batch": False, "hold_memory": "auto",
                                  "conv_weight_grad": "torch", "master_weights": "none", "threads": "auto"}
     assert load_recipe(str(out / "config.toml")).eval.tta == "flip"

@@ -1,6 +1,6 @@
 """Decisions the CUDA path makes, tested on the CPU as pure functions of what a GPU or a
-library reports: precision by compute capability, which compile modes use CUDA graphs,
-datasheet peaks by device name, which errors are out of memory and which mean a lost peer,
+library reports: precision by compute capability, where CUDA graphs replay,
+the kernel search and CUDA graphs as inductor options, datasheet peaks by device name, which errors are out of memory and which mean a lost peer,
 the channel-statistics chunk size, and the DDP arguments of the installed torch."""
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from speedrun import compat
 from speedrun.data.pipeline.resident import STATS_BYTES, channel_stats, stats_chunk
 from speedrun.engine.batch_finder import is_out_of_memory
 from speedrun.engine.flops import known_peak
-from speedrun.engine.runtime import CUDA_GRAPH_MODES, Runtime, auto_cuda_precision, uses_cuda_graphs
+from speedrun.engine.compiling import choice_costs, inductor_options
+from speedrun.engine.runtime import Runtime, auto_cuda_precision, resolve_runtime, uses_cuda_graphs
+from speedrun.errors import RecipeError
+from speedrun.recipe import RuntimeConfig
 from speedrun.engine.distributed import lost_peer
 
 
@@ -29,18 +32,60 @@ def test_auto_precision_follows_compute_capability(capability, precision):
     assert auto_cuda_precision(capability) == precision
 
 
-def test_cuda_graph_modes_are_the_ones_inductor_replays_as_cuda_graphs():
-    """Checked against torch's own table of mode options, so a change of meaning in torch
-    fails here; only inductor takes a mode, and only on CUDA."""
+TORCH_MODES = {("default", False): "default", ("default", True): "reduce-overhead",
+               ("max-autotune", True): "max-autotune", ("max-autotune", False): "max-autotune-no-cudagraphs"}
+"""Each pair of the two choices and the torch.compile mode that means the same."""
+
+
+@pytest.mark.parametrize("choice, torch_mode", TORCH_MODES.items())
+def test_the_two_choices_give_inductor_what_its_modes_would(choice, torch_mode):
+    """Kernel search and CUDA graphs, chosen apart, are exactly torch's own table of mode
+    options for the mode that combines them (so a change of meaning in torch fails here)."""
     from torch._inductor import list_mode_options
-    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-        graphs = bool(list_mode_options(mode).get("triton.cudagraphs", False))
-        assert (mode in CUDA_GRAPH_MODES) == graphs, mode
-        assert uses_cuda_graphs("cuda", True, mode, "inductor") == graphs
-        assert not uses_cuda_graphs("cuda", True, mode, "aot_eager")       # the mode is dropped there
-        assert not uses_cuda_graphs("cpu", True, mode, "inductor")
-        assert not uses_cuda_graphs("cuda", False, mode, "inductor")
-    assert Runtime(torch.device("cuda"), "bf16", True, True, "max-autotune").cuda_graphs
+    assert (inductor_options(*choice) or {}) == list_mode_options(torch_mode)
+
+
+@pytest.mark.parametrize("mode, graphs, replayed", [
+    ("default", "auto", False), ("default", "on", True), ("default", "off", False),
+    ("max-autotune", "auto", True), ("max-autotune", "on", True), ("max-autotune", "off", False)])
+def test_cuda_graphs_are_replayed_where_asked_on_cuda_compiled_by_inductor(mode, graphs, replayed):
+    assert uses_cuda_graphs("cuda", True, mode, "inductor", graphs) == replayed
+    assert not uses_cuda_graphs("cuda", True, mode, "aot_eager", graphs)     # other backends take no options
+    assert not uses_cuda_graphs("cpu", True, mode, "inductor", graphs)
+    assert not uses_cuda_graphs("cuda", False, mode, "inductor", graphs)
+    assert Runtime(torch.device("cuda"), "bf16", True, True, mode, graphs=graphs).cuda_graphs == replayed
+
+
+@pytest.mark.parametrize("old, mode, graphs", [("reduce-overhead", "default", "on"),
+                                               ("max-autotune-no-cudagraphs", "max-autotune", "off")])
+def test_the_one_field_spellings_read_as_the_two_fields(old, mode, graphs):
+    cfg = RuntimeConfig.model_validate({"compile_mode": old})
+    assert (cfg.compile_mode, cfg.cuda_graphs) == (mode, graphs)
+    assert RuntimeConfig.model_validate({"compile_mode": old, "cuda_graphs": graphs}).cuda_graphs == graphs
+    with pytest.raises(ValueError, match="set the two fields"):
+        RuntimeConfig.model_validate({"compile_mode": old, "cuda_graphs": "off" if graphs == "on" else "on"})
+
+
+def test_each_choice_says_its_compile_seconds_on_cuda_and_nothing_on_a_cpu():
+    default = choice_costs("cuda", "default", False)
+    tuned = choice_costs("cuda", "max-autotune", True)
+    assert len(default) == len(tuned) == 2
+    assert "27 s" in default[0] and "measured" in default[0] and "off" in default[1]
+    assert "141 s" in tuned[0] and "estimate" in tuned[0] and "24 s" in tuned[1]
+    assert choice_costs("cpu", "default", False) == []
+    h100 = resolve_runtime(RuntimeConfig(precision="bf16", compile_mode="max-autotune"), torch.device("cuda"))
+    assert h100.compile and h100.cuda_graphs and all(line in h100.choices for line in tuned)
+
+
+def test_a_kernel_search_is_refused_where_a_cpu_would_compile_it():
+    cfg = RuntimeConfig(compile="on", compile_mode="max-autotune", precision="fp32")
+    with pytest.raises(RecipeError, match="runtime.compile_mode=default"):
+        resolve_runtime(cfg, torch.device("cpu"))
+    # not compiled, nothing to refuse; CUDA graphs asked for on a CPU are said to be none
+    eager = resolve_runtime(cfg.model_copy(update={"compile": "off"}), torch.device("cpu"))
+    assert not eager.compile
+    graphs = resolve_runtime(RuntimeConfig(compile="off", cuda_graphs="on", precision="fp32"), torch.device("cpu"))
+    assert not graphs.cuda_graphs and any("none on a CPU" in line for line in graphs.choices)
 
 
 @pytest.mark.parametrize("name, bf16, fp16", [

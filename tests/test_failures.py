@@ -588,6 +588,16 @@ def test_values_once_silently_accepted_are_refused(tmp_path, cli, data_dir):
     assert_unchanged(tmp_path, before)
 
 
+def test_a_kernel_search_on_a_cpu_is_refused_at_start_saying_what_to_set(tmp_path, cli, cifar_small):
+    """runtime.compile_mode=max-autotune would crash inductor's CPU matrix-multiply template
+    after minutes of compiling: refused before the data is read or a run folder made."""
+    before = snapshot(tmp_path)
+    check_refused(cli("train", *small_args(cifar_small), "--device", "cpu", "--out", tmp_path / "runs",
+                      "--set", "runtime.compile=on", "--set", "runtime.compile_mode=max-autotune"),
+                  2, "runtime.compile_mode='max-autotune'", "runtime.compile_mode=default")
+    assert_unchanged(tmp_path, before)
+
+
 def test_a_recipe_name_cannot_place_the_run_outside_runs(tmp_path, cli, cifar_small):
     text = shipped_recipes()["cifar10-94"].read_text()
     assert text.startswith('name = "cifar10-94"\n')

@@ -419,11 +419,11 @@ def test_a_cuda_runtime_turns_on_cudnn_autotuning_and_dynamo_limits():
     saved = torch.backends.cudnn.benchmark, dynamo.config.recompile_limit, dynamo.config.fail_on_recompile_limit_hit
     try:
         torch.backends.cudnn.benchmark = False
-        rt = Runtime(torch.device("cuda"), "bf16", True, True, "reduce-overhead")
+        rt = Runtime(torch.device("cuda"), "bf16", True, True, graphs="on")
         rt.activate()
         assert torch.backends.cudnn.benchmark is True and rt.cudnn_benchmark and rt.cuda_graphs
         assert dynamo.config.recompile_limit == 64 and dynamo.config.fail_on_recompile_limit_hit is True
-        assert not Runtime(CPU, "fp32", True, True, "reduce-overhead").cuda_graphs      # no CUDA graphs on a CPU
+        assert not Runtime(CPU, "fp32", True, True, graphs="on").cuda_graphs      # no CUDA graphs on a CPU
     finally:
         torch.backends.cudnn.benchmark, dynamo.config.recompile_limit, dynamo.config.fail_on_recompile_limit_hit = saved
 

@@ -203,7 +203,7 @@ def test_every_recipe_field_is_set_away_from_its_default_by_some_run():
         exercised |= {k for k, v in values.items() if k not in defaults or v not in defaults[k]}
     # a tag of a union (model.name, schedule.kind) has one default per member: every member is used
     exercised |= {k for k, d in defaults.items() if len(set(map(str, d))) > 1 and all(x in seen.get(k, []) for x in d)}
-    # runtime.compile_mode's other values only add CUDA graphs, which no CPU runs (see tests/matrix.py)
-    exercised.add("runtime.compile_mode")
+    # max-autotune is refused on a CPU and CUDA graphs replay only on CUDA (see tests/matrix.py)
+    exercised |= {"runtime.compile_mode", "runtime.cuda_graphs"}
     missing = sorted(set(field_paths(Recipe)) - exercised)
     assert not missing, f"no run sets these fields away from their defaults: {missing}"

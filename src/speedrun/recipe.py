@@ -399,13 +399,36 @@ class DistributedConfig(Section):
                              "the job stops with an error")
 
 
+OLD_COMPILE_MODES = {"reduce-overhead": ("default", "on"), "max-autotune-no-cudagraphs": ("max-autotune", "off")}
+"""torch.compile mode names that were values of ``runtime.compile_mode`` before CUDA graphs became a field
+of their own -> (compile_mode, cuda_graphs)."""
+
+
 class RuntimeConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _old_compile_modes(cls, raw):
+        """The one-field spellings of earlier versions (``reduce-overhead``,
+        ``max-autotune-no-cudagraphs``) read as the two fields they meant."""
+        if isinstance(raw, dict) and raw.get("compile_mode") in OLD_COMPILE_MODES:
+            old = raw["compile_mode"]
+            mode, graphs = OLD_COMPILE_MODES[old]
+            if raw.get("cuda_graphs", graphs) != graphs:
+                raise ValueError(f"runtime.compile_mode={old!r} means runtime.compile_mode={mode!r} with "
+                                 f"runtime.cuda_graphs={graphs!r}, not {raw['cuda_graphs']!r}: set the two fields")
+            raw = {**raw, "compile_mode": mode, "cuda_graphs": graphs}
+        return raw
+
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
-    compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = Field(
-        "default", description="torch.compile mode: reduce-overhead replays CUDA graphs (CUDA only), "
-        "max-autotune also searches kernel configurations (Triton templates against cuDNN for each convolution "
-        "shape; minutes of compilation), max-autotune-no-cudagraphs searches them without CUDA graphs")
+    compile_mode: Literal["default", "max-autotune"] = Field(
+        "default", description="torch.compile's kernel search: default (inductor's generated kernels) or "
+        "max-autotune (Triton templates timed against cuDNN and cuBLAS for each convolution and matrix shape, with "
+        "coordinate-descent tuning: minutes more compiling; CUDA only)")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="replay the compiled step and evaluation as CUDA graphs (one launch per graph instead of "
+        "one per kernel: what a small net on a fast GPU needs); auto = on with max-autotune, as torch's own mode "
+        "does, off with default; CUDA only")
     cast: Literal["autocast", "model"] = Field(
         "autocast", description="how bf16/fp16 is applied: autocast (fp32 weights, each op cast as it runs) or model "
         "(the weights, optimizer state and activations stored in the compute dtype end to end, batch norm and its "

@@ -69,7 +69,7 @@ def build_for_run(recipe: Recipe, source, runtime: Runtime, world: World, seed: 
         module = wrap(model)
         return BuiltModel(model, module, module)
     key = (recipe.model.model_dump_json(), source.in_channels, source.num_classes, str(runtime.device),
-           runtime.precision, runtime.cast, runtime.channels_last, runtime.compile_mode, runtime.compile_backend,
+           runtime.precision, runtime.cast, runtime.channels_last, runtime.compile_mode, runtime.cuda_graphs, runtime.compile_backend,
            world.size)
     model, forward, reused = compiled_model(key, build, runtime, wrap)
     if reused:                                      # as built from the seed, but in the same tensors

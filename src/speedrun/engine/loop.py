@@ -35,6 +35,7 @@ from .distributed import World
 from .evaluate import TTA_VIEWS, evaluate
 from .precision import NonFiniteLoss, first_bad_step
 from .records import EpochRecord, EpochSteps, RunResult
+from .compiling import cache_counts
 from .runtime import Runtime, compiled_graphs
 from .sizes import epoch_image_side, resized_in_step, run_image_sides
 from .warmup import warm_up as run_warm_up
@@ -166,8 +167,11 @@ class Session:
         self.step = train_step_for(recipe, source, runtime, built, teacher,
                                    no_sync=lambda: distributed.no_sync(built.module))
         self.compile_seconds = 0.0
+        before = cache_counts()
         if runtime.compile or warm_up:
             self.compile_seconds = run_warm_up(self)
+        # inductor's persistent cache: graphs this warm-up found compiled by an earlier process
+        self.compile_cache = {k: v - before[k] for k, v in cache_counts().items()}
         self._reset_for: int | None = None
         self._stop = None                             # (StopSignals, StopAgreement) while a run listens
 

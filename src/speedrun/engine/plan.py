@@ -12,6 +12,7 @@ benchmark scripts all start from :func:`plan_run`, so a recipe runs the same way
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,11 +21,14 @@ import torch
 
 from ..data.pipeline.dataset import open_source
 from ..optim.orthogonal import ns_dtype
-from ..recipe import Recipe, total_steps
+from ..recipe import Recipe, steps_per_epoch, total_steps
 from .batch_finder import fit_batch as fit_batch_to
 from .build import build_for_run, snapshot, teacher_for, train_step_for
+from .compiling import CompilePlan, compile_cache_location, compile_plan_line
 from .distributed import World
 from .runtime import Runtime, resolve_runtime
+from .sizes import compiled_train_sides
+from .warmup import eval_batch_sizes
 
 
 def fit_batch_to_device(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
@@ -69,6 +73,15 @@ class Plan:
     open_seconds: float = 0.0
 
 
+def compile_plan(recipe: Recipe, source) -> CompilePlan:
+    """The shapes a compiled run of ``recipe`` on ``source`` compiles in its warm-up (one
+    process's share of the evaluation)."""
+    steps = total_steps(recipe, len(source.train_y))
+    epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
+    return CompilePlan(tuple(compiled_train_sides(recipe, source.image_size[0], epochs)),
+                       tuple(eval_batch_sizes(len(source.test_y), recipe.eval.batch_size)), steps)
+
+
 def newton_schulz_dtype(recipe: Recipe, runtime: Runtime) -> str | None:
     """'bf16' or 'fp32' for a run with orthogonalised filter updates (optim.ns_precision as
     resolved for this runtime), None without them."""
@@ -97,6 +110,9 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
     runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
                               recipe.model.norm.fp32)
     choices += list(runtime.choices)
+    if runtime.compile:
+        cache = compile_cache_location() if runtime.compile_backend == "inductor" else None
+        choices.append(compile_plan_line(compile_plan(recipe, source), device.type, recipe.model.name, cache))
     ns = newton_schulz_dtype(recipe, runtime)
     if ns:
         choices.append(f"orthogonalised filter updates: Newton-Schulz products in {ns} "

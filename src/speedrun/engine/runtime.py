@@ -1,5 +1,5 @@
 """Every device-specific choice, made in one place and recorded in the run's summary:
-precision, torch.compile and its mode, memory layout, cuDNN autotuning, and the dtype the
+precision, torch.compile with its kernel search and CUDA graphs (see engine/compiling.py), memory layout, cuDNN autotuning, and the dtype the
 data is stored in. Also the one compiled model a process keeps (see :func:`compiled_model`).
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch.nn as nn
 
 from .. import compat
 from . import memory, threads
+from .compiling import (CPU_RESNET_BF16_STEP_MS, MAX_AUTOTUNE_ON_CPU, choice_costs, compile_cache_location,
+                        cpu_resnet_pays_after, inductor_options, keep_compiled_code, uses_cuda_graphs)
 from ..errors import RecipeError
 from ..models import weight_grad
 from ..models.norm import norm_in_fp32
@@ -65,6 +67,7 @@ class Runtime:
     cast: str = "autocast"                 # bf16/fp16 by autocast, or the model stored in it (runtime.cast)
     master_weights: str = "none"           # fp32 copies of a low-precision model for the update (runtime.master_weights)
     threads: int = 0                       # CPU operator threads (engine/threads.py); 0 = as the process has them
+    graphs: str = "auto"                   # CUDA graphs: auto, on or off (runtime.cuda_graphs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,7 +79,7 @@ class Runtime:
 
     @property
     def cuda_graphs(self) -> bool:
-        return uses_cuda_graphs(self.device.type, self.compile, self.compile_mode, self.compile_backend)
+        return uses_cuda_graphs(self.device.type, self.compile, self.compile_mode, self.compile_backend, self.graphs)
 
     @property
     def cudnn_benchmark(self) -> bool:
@@ -140,6 +143,7 @@ class Runtime:
             import torch._dynamo as dynamo          # (binds dynamo, not torch, in this function)
             compat.set_recompile_limit(dynamo.config, RECOMPILE_LIMIT)
             if self.compile_backend == "inductor":
+                keep_compiled_code()                # the next process reuses what this one compiles
                 from torch._inductor import config as inductor_config
                 from torch._inductor.scheduler import FusedSchedulerNode
                 done = compat.avoid_fused_reorder_assert(inductor_config, FusedSchedulerNode)
@@ -158,23 +162,14 @@ class Runtime:
                 "precision": self.precision, "compile": self.compile,
                 "compile_mode": self.compile_mode if self.compile else None,
                 "compile_backend": self.compile_backend if self.compile else None,
+                "cuda_graphs": self.cuda_graphs,
+                "compile_cache_dir": (compile_cache_location() if self.compile and self.compile_backend == "inductor"
+                                      else None),
                 "channels_last": self.channels_last, "cudnn_benchmark": self.cudnn_benchmark,
                 "hold_memory": self.hold_memory, "conv_weight_grad": self.conv_weight_grad, "cast": self.cast,
                 "master_weights": self.master_weights,
                 "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
                 "runtime_choices": list(self.choices)}
-
-
-CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
-"""The ``torch.compile`` modes in which inductor replays compiled code as CUDA graphs
-(``list_mode_options(mode)["triton.cudagraphs"]``; "max-autotune-no-cudagraphs" does not)."""
-
-
-def uses_cuda_graphs(device_type: str, compile_: bool, mode: str, backend: str) -> bool:
-    """Whether compiled code replays as CUDA graphs, so that each training step must begin
-    with ``cudagraph_mark_step_begin()``: on CUDA, compiled by inductor (other backends take
-    no mode) in a mode that uses them."""
-    return device_type == "cuda" and compile_ and backend == "inductor" and mode in CUDA_GRAPH_MODES
 
 
 def auto_cuda_precision(capability: tuple[int, int]) -> str:
@@ -194,10 +189,9 @@ def auto_cpu_precision(bf16_units: tuple[str, ...]) -> str:
 
 
 CPU_COMPILE_MIN_STEPS = 2000
-"""Steps a compiled ResNet run in bf16 must have before compiling pays on a CPU, with a margin:
-on a 2-core Zen 4 (benchmarks/results/step-structure-amd-epyc-25-17.json) a ResNet-50 step at
-64 px, batch 64, took 549 ms compiled against 704 eager, for 106 s more warm-up with a cold
-compile cache: even after about 690 steps."""
+"""Steps a compiled ResNet run in bf16 must have before compiling pays on a CPU, with a margin
+over the break-even of the measured step times and cold compile seconds
+(:data:`speedrun.engine.compiling.CPU_RESNET_BF16_STEP_MS`, about 700 steps)."""
 
 
 MEASURED_CPUS = "AMD EPYC"
@@ -232,8 +226,9 @@ def _cpu_compile_choice(model: str | None, precision: str, steps: int | None, no
         return False, ("compile off: a ResNet in bf16 with its batch norm in bf16 runs faster eager on a CPU "
                        "(ResNet-18D: 1.91 s a step eager, 2.79 s compiled, on a Zen 4)")
     if model == "resnet" and precision == "bf16" and steps is not None and steps >= CPU_COMPILE_MIN_STEPS:
-        return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled 22% faster per step on a "
-                      f"Zen 4; pays for its compilation after about 700 steps)")
+        eager, compiled = CPU_RESNET_BF16_STEP_MS
+        return True, (f"compile on: a ResNet in bf16 for {steps} steps (compiled {1 - compiled / eager:.0%} faster "
+                      f"per step on a Zen 4; pays for its compilation after about {cpu_resnet_pays_after()} steps)")
     if model is None or steps is None:
         return False, "compile off: eager on CPUs unless the run is known to pay for compiling"
     why = ("a speed net runs no faster compiled on a CPU" if model == "speednet" else
@@ -300,6 +295,8 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
     if backend not in ("inductor", "aot_eager", "eager"):
         raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
+    if compile_ and not cuda and backend == "inductor" and cfg.compile_mode == "max-autotune":
+        raise RecipeError(MAX_AUTOTUNE_ON_CPU)
     if compile_ and not cuda and backend == "inductor" and cpp_compiler() is None:
         compile_ = False
         choices.append("compile off: no C++ compiler found for inductor ($CXX, g++, c++ or clang++); running "
@@ -311,6 +308,11 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         n_threads, why = threads.choose_threads(cfg.threads, threads.usable_cores(),
                                                 threads.busy_cores() if measure else None, omp)
         choices.append(why)
+    if compile_ and backend == "inductor":
+        choices += choice_costs(device.type, cfg.compile_mode,
+                                uses_cuda_graphs(device.type, compile_, cfg.compile_mode, backend, cfg.cuda_graphs))
+    if cfg.cuda_graphs == "on" and not cuda:
+        choices.append("CUDA graphs: none on a CPU (runtime.cuda_graphs=on applies on CUDA devices)")
     hold, why = memory.auto_hold_memory(cfg.hold_memory, device.type, memory.c_library(), cfg.find_batch)
     choices.append(why)
     wgrad = weight_grad.resolve(cfg.conv_weight_grad, device.type, precision, compile_)
@@ -320,7 +322,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     if cfg.cast == "model" and precision == "fp32":
         choices.append("runtime.cast=model has nothing to cast in fp32: the model stays fp32")
     return Runtime(device, precision, compile_, cfg.channels_last, cfg.compile_mode, backend, tuple(choices), hold,
-                   wgrad, cfg.cast, cfg.master_weights, n_threads)
+                   wgrad, cfg.cast, cfg.master_weights, n_threads, cfg.cuda_graphs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -361,10 +363,11 @@ def compiled_model(key: tuple, build: Callable[[], nn.Module], runtime: Runtime,
 
 def compile_function(fn, runtime: Runtime):
     """``fn`` (a function or module) compiled as the runtime says: static shapes (each shape a
-    run uses is compiled once, in the warm-up), its mode with inductor (other backends take
-    no mode) and its backend."""
-    mode = None if runtime.compile_mode == "default" or runtime.compile_backend != "inductor" else runtime.compile_mode
-    return torch.compile(fn, dynamic=False, mode=mode, backend=runtime.compile_backend)
+    run uses is compiled once, in the warm-up), its kernel search and CUDA graphs as inductor
+    options (other backends take none) and its backend."""
+    options = (inductor_options(runtime.compile_mode, runtime.cuda_graphs)
+               if runtime.compile_backend == "inductor" else None)
+    return torch.compile(fn, dynamic=False, options=options, backend=runtime.compile_backend)
 
 
 def compiled_graphs() -> int:

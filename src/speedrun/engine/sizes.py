@@ -34,6 +34,12 @@ def run_image_sides(recipe: Recipe, full: int, epochs: int) -> list[int]:
     return sorted({epoch_image_side(recipe, e, full) for e in range(epochs)})
 
 
+def compiled_train_sides(recipe: Recipe, full: int, epochs: int) -> list[int]:
+    """The image sides a compiled run compiles its training step at: each side it trains at
+    (a side is a static shape to the compiler)."""
+    return run_image_sides(recipe, full, epochs)
+
+
 def resized_in_step(recipe: Recipe) -> bool:
     """Whether progressive resizing happens inside the training step (``augment.low_res =
     "bilinear_in_step"``) rather than in the data pipeline."""

@@ -62,6 +62,8 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         "train_seconds_region": TRAIN_SECONDS_REGION,
         "final_eval_seconds": result.final_eval_seconds,
         "compile_seconds": session.compile_seconds,
+        "compile_cache_hits": session.compile_cache["hits"],
+        "compile_cache_misses": session.compile_cache["misses"],
         "monitor_seconds": result.monitor_seconds,
         "bookkeeping_seconds": result.bookkeeping_seconds,
         "recompiles": result.recompiles,
