@@ -285,8 +285,8 @@ def test_lending_call_1_smokes_the_record_recipe_for_one_run_on_random_data(tmp_
     (v,) = record["variants"]
     assert v["ok"] and v["limit_seconds"] == 120 and v["limit_from"] == "its limit" and "cut" not in v
     config = v["recipe_config"]
-    assert (config["model"]["global_pool_grad"], config["runtime"]["cast"], config["augment"]["whole_epoch"]) == (
-        "select", "model", True)
+    assert (config["model"]["global_pool_grad"], config["runtime"]["cast"], config["augment"]["whole_epoch"],
+            config["runtime"]["cuda_graphs"]) == ("select", "model", True, "on")
     (run,) = v["runs"]
     assert run["seconds"] > 0 and run["recompiles"] == 0 and v["summary"]["recompiles"] == 0
     assert v["summary"]["seconds"]["median"] == run["seconds"] and v["summary"]["test_acc"]["median"] == run["test_acc"]
@@ -312,7 +312,7 @@ def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_fi
     record = json.loads((out / "gpu-record.json").read_text())
     systems = record["systems"]
     given = [line.split(None, 1)[1].rsplit("#", 1)[0] for line in text.splitlines() if line.startswith("--system ")]
-    assert len(systems) == len(given) == 8 and not record["left_out"]
+    assert len(systems) == len(given) == 10 and not record["left_out"]
     assert record["order"][0] == "airbench94_muon.py" and systems[0]["main_block"]["setup_source"][1].startswith(
         "if torch.cuda.is_available()")
     assert [e["spec"] for e in systems] == given
@@ -320,9 +320,9 @@ def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_fi
         assert e["ok"] and len(e["runs"]) == 1 and e["limit_from"] == "its limit" and e["warmup_seconds"] > 0
         assert e["summary"]["seconds"]["median"] == e["runs"][0]["seconds"] > 0
         assert e["runs"][0]["recompiles"] == 0 and e["summary"]["recompiles"] == 0
-    assert len(record["pairs"]) == len(record["pairs_asked"]) == 7
+    assert len(record["pairs"]) == len(record["pairs_asked"]) == 9
     by_pair = {(p["a"], p["b"]): p for p in record["pairs"]}
-    record_recipe = "cifar10-94-fast@model.global_pool_grad=select@runtime.cast=model@augment.whole_epoch=true"
+    record_recipe = "cifar10-94-gpu"
     assert (record_recipe, "airbench94_muon.py") in by_pair and ("cifar10-94", "airbench94.py") in by_pair
     paired = by_pair[(record_recipe, "cifar10-94-fast")]
     assert paired["paired"]["seeds"] == [0] and paired["time_ratio_median"] == pytest.approx(paired["time_ratio"])
