@@ -534,7 +534,7 @@ class StepMarks:
     """The loop's progress protocol: an empty profiler range after every training step, so
     that a profile can tell the training steps' events from the rest of the run."""
 
-    def start(self, total_steps, epochs, batch_size):
+    def start(self, total_steps, epochs, batch_size, eval_images=0):
         pass
 
     def step(self):
@@ -543,6 +543,12 @@ class StepMarks:
             pass
 
     def epoch(self, record):
+        pass
+
+    def final_evaluation(self, images, tta):
+        pass
+
+    def final_evaluation_done(self, seconds):
         pass
 
 

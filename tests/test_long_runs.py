@@ -71,7 +71,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_is_
     resumed = run("train", "--resume", killed)
     assert resumed.returncode == 0, resumed.stderr
     assert f"left locked by process {victim.pid}, which is no longer running" in resumed.stdout
-    assert json.loads((killed / "summary.json").read_text())["test_acc"] > 0.5
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["test_acc"] > 0.1 + 3 * (0.09 / summary["test_images"]) ** 0.5      # it learned: chance + 3 SE
     assert not (killed / ".speedrun.lock").exists()
 
 
