@@ -80,6 +80,34 @@ def test_the_cache_is_made_once_and_made_again_when_a_file_changes(imagenet224, 
     assert cache_key(train, val, 40, 3, "auto", False) != cache_key(train, val, 48, 3, "auto", False)
 
 
+def test_a_cache_cut_short_or_overwritten_is_decoded_again_before_training(imagenet224, tmp_path):
+    """The cache's size and the checksum of its two ends, kept beside it, are checked each time
+    it is opened: a truncated or overwritten copy is said and made again, never trained on."""
+    sets = ["data.eval_size=40", "data.image_size=32", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1"]
+    said = []
+    _, first = open_source(load_recipe("imagenette", sets), imagenet224)
+    path = first.cache["cache"]
+    whole = open(path, "rb").read()
+    train_x, test_x = first.train_x.clone(), first.test_x.clone()      # (the file is mapped: copies, before
+    del first                                                           # it is cut under the mapping)
+    with open(path, "r+b") as f:                                        # cut short
+        f.truncate(len(whole) // 2)
+    _, cut = open_source(load_recipe("imagenette", sets), imagenet224, say=said.append)
+    assert cut.cache["cache_made_now"] and cut.cache["cache"] == path
+    assert any("again: the cached copy holds" in line and "cut short or overwritten" in line for line in said)
+    assert torch.equal(cut.test_x, test_x) and torch.equal(cut.train_x, train_x)
+    del cut
+    with open(path, "r+b") as f:                                        # overwritten in place, same size
+        f.seek(len(whole) - 100)
+        f.write(bytes(100))
+    said.clear()
+    _, over = open_source(load_recipe("imagenette", sets), imagenet224, say=said.append)
+    assert over.cache["cache_made_now"] and any("checksum does not match" in line for line in said)
+    assert torch.equal(over.train_x, train_x)
+    _, again = open_source(load_recipe("imagenette", sets), imagenet224)    # intact: used as it is
+    assert not again.cache["cache_made_now"]
+
+
 def test_a_cache_stored_larger_than_the_evaluation_size(imagenet224, tmp_path):
     """data.cache_size keeps more pixels for the random-resized crops; the evaluation images
     are resized to data.eval_size as the cache is opened, as they would have been decoded."""

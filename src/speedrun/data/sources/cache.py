@@ -92,6 +92,38 @@ def cache_key(train: ImageList, val: ImageList, size: int, channels: int, decode
     return h.hexdigest()[:20]
 
 
+FINGERPRINT_BYTES = 1 << 20
+"""Bytes at each end of a cache file whose digest is kept beside it: its arrays' headers at the
+start and the end of its last array (a file overwritten there, or cut short, no longer matches)."""
+
+
+def fingerprint(path: Path) -> dict:
+    """The size of a decoded cache file and a SHA-256 of its first and last MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+    return {"bytes": size, "sha256_ends": h.hexdigest()}
+
+
+def damaged(path: Path, expected: dict | None) -> str:
+    """Why the cache file at ``path`` is not the one that was written ('' where it is, or where
+    it was written without a fingerprint, by an earlier speedrun)."""
+    if not isinstance(expected, dict) or "bytes" not in expected:
+        return ""
+    try:
+        found = fingerprint(path)
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if found["bytes"] != expected["bytes"]:
+        return f"holds {found['bytes']:,} bytes where {expected['bytes']:,} were written (cut short or overwritten)"
+    if found["sha256_ends"] != expected.get("sha256_ends"):
+        return "differs from what was written (its checksum does not match)"
+    return ""
+
+
 def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
     """uint8 images (N, C, H, W) resized to ``size`` x ``size`` (the resident path's
     antialiased bilinear :func:`~speedrun.data.pipeline.resident.resize`, rounded to uint8), a chunk at
@@ -113,27 +145,37 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
     path = root / f"folder-{key}.npz"
     info_path = path.with_suffix(".json")
     made, seconds = False, 0.0
-    if not path.is_file():
-        say(f"decoding {len(train) + len(val):,} images once at {size} px into {path}")
+
+    def decode(why: str = "") -> dict:
+        say(f"decoding {len(train) + len(val):,} images once at {size} px into {path}{why}")
         t0 = time.perf_counter()
         result = prepare(data.path, size, path, val_fraction=data.val_fraction, seed=data.split_seed,
                          workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
-        seconds = time.perf_counter() - t0
-        made = True
-        say(f"decoded {result['train'] + result['test']:,} images in {seconds:.1f} s "
-            f"({(len(train) + len(val)) / max(seconds, 1e-9):,.0f} images/s)"
+        took = time.perf_counter() - t0
+        say(f"decoded {result['train'] + result['test']:,} images in {took:.1f} s "
+            f"({(len(train) + len(val)) / max(took, 1e-9):,.0f} images/s)"
             + (f", {result['skipped']:,} unreadable skipped" if result["skipped"] else ""))
         info = {"skipped": result["skipped"], "skipped_files": dict(list(result["skipped_files"].items())[:LISTED]),
-                "decode_seconds": seconds,
-                "images_per_s": (len(train) + len(val)) / seconds if seconds else None,
-                "source": str(train.root.parent if train.root.name == "train" else train.root)}
+                "decode_seconds": took, "images_per_s": (len(train) + len(val)) / took if took else None,
+                "source": str(train.root.parent if train.root.name == "train" else train.root),
+                "npz": fingerprint(path)}
         tmp = info_path.with_name(f"{info_path.name}.{os.getpid()}.tmp")   # ranks may make it at once
         tmp.write_text(json.dumps(info))
         os.replace(tmp, info_path)
-    try:
-        info = json.loads(info_path.read_text())
-    except (OSError, ValueError):
-        info = {"skipped": 0}
+        return info
+
+    if not path.is_file():
+        info, made = decode(), True
+    else:
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, ValueError):
+            info = {"skipped": 0}
+        damage = damaged(path, info.get("npz"))
+        if damage:                                    # (speedrun's own file in its cache folder: made again)
+            path.unlink(missing_ok=True)
+            info, made = decode(f" again: the cached copy {damage}"), True
+    seconds = info.get("decode_seconds", 0.0) if made else 0.0
     ds = load_npz(path)
     if ds.classes != train.classes:
         raise DataError(f"{path}: a decoded cache whose classes differ from the folder's; delete it and run "
