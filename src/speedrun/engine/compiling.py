@@ -88,12 +88,12 @@ class ShapeCost:
 SHAPE_COSTS = {
     ("cuda", "resnet"): ShapeCost(126.0, 5, "imagenette on an H200: 126 s for 3 training sizes and 2 evaluation "
                                             "batch sizes"),
-    ("cuda", "speednet"): ShapeCost(27.0, 3, "cifar10-94-fast on an H100: 27 s for 1 training size and 2 "
-                                             "evaluation batch sizes"),
+    ("cuda", "speednet"): ShapeCost(27.0, 3, "cifar10-94-fast on an H100: 27 s for 1 training size and the "
+                                             "evaluation at 2 shapes, its batch and its TTA subset"),
     ("cpu", "resnet"): ShapeCost(106.0, 3, "ResNet-50 in bf16 on a 2-core Zen 4: 106 s more warm-up for 1 "
                                            "training size and 2 evaluation batch sizes"),
     ("cpu", "speednet"): ShapeCost(42.0, 3, "cifar10-94-fast in bf16 on a 2-core Zen 4: 40-45 s for 1 training "
-                                            "size and 2 evaluation batch sizes"),
+                                            "size and the evaluation at 2 shapes, its batch and its TTA subset"),
 }
 """Cold compile seconds by device kind and model family (records in benchmarks/results/)."""
 
