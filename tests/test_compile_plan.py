@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from speedrun.engine.compiling import SHAPE_COSTS, CompilePlan, compile_plan_line
+from speedrun.engine.loop import Session
 from speedrun.engine.plan import compile_plan, plan_run
 from speedrun.recipe import load_recipe
 
@@ -38,8 +39,10 @@ def test_the_plan_counts_the_progressive_sizes_and_evaluation_batches(cifar_smal
     recipe = load_recipe("cifar10-94-cpu", ["data.dataset=npz", "runtime.compile=on", "runtime.precision=fp32",
                                             "eval.batch_size=200", "data.batch_size=256"])
     plan = plan_run(recipe, cifar_small, torch.device("cpu"), fit_batch=False)
-    shapes = compile_plan(plan.recipe, plan.source)
+    shapes = compile_plan(plan.recipe, plan.source, plan.runtime)
     assert shapes.train_sides == (24, 28, 32) and shapes.eval_batches == (56, 200)
+    # inductor on a CPU specializes the sizes: one graph each
+    assert not shapes.shared and shapes.train_graphs == 3
     assert any(line.startswith("compiling the training step at 3 image sizes (24, 28, 32 px)") for line in plan.choices)
     eager = plan_run(recipe.with_values({"runtime.compile": "off"}), cifar_small, torch.device("cpu"), fit_batch=False)
     assert not any(line.startswith("compiling") for line in eager.choices)
@@ -68,3 +71,56 @@ def test_a_second_process_reuses_the_compiled_code_from_speedruns_folder(tmp_pat
     assert second["compile_cache_hits"] == first["compile_cache_misses"] and second["compile_cache_misses"] == 0
     assert any((tmp_path / "cache" / "compiled").rglob("*"))
     assert second["recompiles"] == first["recompiles"] == 0
+
+
+def _graphs_of(recipe, data, monkeypatch) -> tuple[int, object]:
+    """(graphs dynamo compiled for a session's warm-up, the session) of ``recipe`` on ``data``,
+    compiled by aot_eager: dynamo's graph capture as inductor gets it, without code generation."""
+    from speedrun.engine.runtime import compiled_graphs
+    monkeypatch.setenv("SPEEDRUN_COMPILE_BACKEND", "aot_eager")
+    plan = plan_run(recipe, data, torch.device("cpu"), fit_batch=False)
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    session = Session(plan.recipe, plan.source, plan.runtime)
+    return compiled_graphs() - before, session
+
+
+def test_progressive_sizes_share_one_compiled_step(cifar_small, monkeypatch):
+    """cifar10-94-cpu trains at 24, 28 and 32 px: resized in the data pipeline, its step is
+    one graph for the three sizes (height and width dynamic) where the compiler keeps them so
+    (dynamo's capture and AOTAutograd, here without inductor's code generation, which on a CPU
+    specializes them again; see sizes_share_one_graph), so the warm-up compiles exactly
+    as many graphs as the same recipe at one size; resized inside the step (bilinear_in_step)
+    each side is a constant of the graph, one more graph a side. The shared graph trains as
+    eager does (same losses, within float reordering), beyond chance, and never recompiles."""
+    base = ["data.dataset=npz", "runtime.compile=on", "runtime.precision=fp32", "model.widths=[8,16,16]",
+            "data.batch_size=256", "eval.batch_size=200", "train.epochs=4", "eval.tta=none"]
+    progressive, session = _graphs_of(load_recipe("cifar10-94-cpu", base), cifar_small, monkeypatch)
+    assert session.image_sides == [24, 28, 32] and session.step.dynamic_sides
+    compiled = session.run(seed=0)
+    one_size, _ = _graphs_of(load_recipe("cifar10-94-cpu", base + ["data.progressive=[[0.0, 1.0]]"]), cifar_small,
+                             monkeypatch)
+    in_step, _ = _graphs_of(load_recipe("cifar10-94-cpu", base + ["augment.low_res=bilinear_in_step"]), cifar_small,
+                            monkeypatch)
+    assert progressive == one_size and in_step == one_size + 2, (progressive, one_size, in_step)
+    assert compiled.recompiles == 0
+    eager = plan_run(load_recipe("cifar10-94-cpu", base + ["runtime.compile=off"]), cifar_small, torch.device("cpu"),
+                     fit_batch=False)
+    plain = Session(eager.recipe, eager.source, eager.runtime).run(seed=0)
+    assert [h.train_loss for h in compiled.history] == pytest.approx([h.train_loss for h in plain.history], abs=0.02)
+    n = compiled.test_images
+    assert compiled.test_acc > 0.1 + 3 * (0.1 * 0.9 / n) ** 0.5, compiled.test_acc
+
+
+def test_which_devices_and_compilers_share_one_graph_across_sizes():
+    from speedrun.engine.sizes import sizes_share_one_graph
+    progressive = load_recipe("cifar10-94-cpu")
+    assert sizes_share_one_graph(progressive, "cuda", "inductor")
+    assert sizes_share_one_graph(progressive, "cpu", "aot_eager")
+    assert not sizes_share_one_graph(progressive, "cpu", "inductor")          # specialized again there
+    in_step = progressive.with_values({"augment.low_res": "bilinear_in_step"})
+    assert not sizes_share_one_graph(in_step, "cuda", "inductor")             # the side is a constant of the graph
+    assert not sizes_share_one_graph(load_recipe("cifar10-94-fast"), "cuda", "inductor")
+    line = compile_plan_line(CompilePlan((112, 128, 144), (64,), 700, shared=True), "cuda", "resnet", None)
+    assert line.startswith("compiling the training step once for 3 image sizes (112, 128, 144 px)")
+    assert f"about {SHAPE_COSTS[('cuda', 'resnet')].per_shape * 2:.0f} s cold" in line

@@ -88,12 +88,12 @@ class ShapeCost:
 SHAPE_COSTS = {
     ("cuda", "resnet"): ShapeCost(126.0, 5, "imagenette on an H200: 126 s for 3 training sizes and 2 evaluation "
                                             "batch sizes"),
-    ("cuda", "speednet"): ShapeCost(27.0, 3, "cifar10-94-fast on an H100: 27 s for 1 training size and 2 "
-                                             "evaluation batch sizes"),
+    ("cuda", "speednet"): ShapeCost(27.0, 3, "cifar10-94-fast on an H100: 27 s for 1 training size and the "
+                                             "evaluation at 2 shapes, its batch and its TTA subset"),
     ("cpu", "resnet"): ShapeCost(106.0, 3, "ResNet-50 in bf16 on a 2-core Zen 4: 106 s more warm-up for 1 "
                                            "training size and 2 evaluation batch sizes"),
     ("cpu", "speednet"): ShapeCost(42.0, 3, "cifar10-94-fast in bf16 on a 2-core Zen 4: 40-45 s for 1 training "
-                                            "size and 2 evaluation batch sizes"),
+                                            "size and the evaluation at 2 shapes, its batch and its TTA subset"),
 }
 """Cold compile seconds by device kind and model family (records in benchmarks/results/)."""
 
@@ -111,24 +111,30 @@ def cpu_resnet_pays_after() -> int:
 
 @dataclass(frozen=True)
 class CompilePlan:
-    """The shapes a compiled run compiles: its training image sides (one shape where the
-    step resizes itself or sizes share one graph) and its evaluation batch sizes."""
+    """The shapes a compiled run compiles: its training image sides (one graph for all of
+    them where ``shared``: their height and width marked dynamic) and its evaluation batch
+    sizes."""
     train_sides: tuple[int, ...]
     eval_batches: tuple[int, ...]
     steps: int
+    shared: bool = False
+
+    @property
+    def train_graphs(self) -> int:
+        return 1 if self.shared else len(self.train_sides)
 
     @property
     def shapes(self) -> int:
-        return len(self.train_sides) + len(self.eval_batches)
+        return self.train_graphs + len(self.eval_batches)
 
 
 def compile_plan_line(plan: CompilePlan, device_type: str, model: str | None, cache: str | None) -> str:
     """One start line: what the run compiles, a cold estimate of its seconds (said as such,
     from :data:`SHAPE_COSTS`), where the compiled code is cached for the next process, and
     what each step must save for the compiling to pay."""
-    sides = ", ".join(str(s) for s in plan.train_sides)
-    what = (f"compiling the training step at {len(plan.train_sides)} image "
-            f"size{'s' if len(plan.train_sides) > 1 else ''} ({sides} px) and the evaluation at "
+    sides, n = ", ".join(str(s) for s in plan.train_sides), len(plan.train_sides)
+    what = (f"compiling the training step {'once for' if plan.shared and n > 1 else 'at'} {n} image "
+            f"size{'s' if n > 1 else ''} ({sides} px) and the evaluation at "
             f"{len(plan.eval_batches)} batch size{'s' if len(plan.eval_batches) > 1 else ''}")
     cost = SHAPE_COSTS.get((device_type, model or ""))
     if cost is None:

@@ -27,7 +27,7 @@ from .build import build_for_run, snapshot, teacher_for, train_step_for
 from .compiling import CompilePlan, compile_cache_location, compile_plan_line
 from .distributed import World
 from .runtime import Runtime, resolve_runtime
-from .sizes import compiled_train_sides
+from .sizes import run_image_sides, sizes_share_one_graph
 from .warmup import eval_batch_sizes
 
 
@@ -73,13 +73,14 @@ class Plan:
     open_seconds: float = 0.0
 
 
-def compile_plan(recipe: Recipe, source) -> CompilePlan:
+def compile_plan(recipe: Recipe, source, runtime: Runtime) -> CompilePlan:
     """The shapes a compiled run of ``recipe`` on ``source`` compiles in its warm-up (one
     process's share of the evaluation)."""
     steps = total_steps(recipe, len(source.train_y))
     epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
-    return CompilePlan(tuple(compiled_train_sides(recipe, source.image_size[0], epochs)),
-                       tuple(eval_batch_sizes(len(source.test_y), recipe.eval.batch_size)), steps)
+    return CompilePlan(tuple(run_image_sides(recipe, source.image_size[0], epochs)),
+                       tuple(eval_batch_sizes(len(source.test_y), recipe.eval.batch_size)), steps,
+                       sizes_share_one_graph(recipe, runtime.device.type, runtime.compile_backend))
 
 
 def newton_schulz_dtype(recipe: Recipe, runtime: Runtime) -> str | None:
@@ -112,7 +113,7 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
     choices += list(runtime.choices)
     if runtime.compile:
         cache = compile_cache_location() if runtime.compile_backend == "inductor" else None
-        choices.append(compile_plan_line(compile_plan(recipe, source), device.type, recipe.model.name, cache))
+        choices.append(compile_plan_line(compile_plan(recipe, source, runtime), device.type, recipe.model.name, cache))
     ns = newton_schulz_dtype(recipe, runtime)
     if ns:
         choices.append(f"orthogonalised filter updates: Newton-Schulz products in {ns} "

@@ -34,10 +34,15 @@ def run_image_sides(recipe: Recipe, full: int, epochs: int) -> list[int]:
     return sorted({epoch_image_side(recipe, e, full) for e in range(epochs)})
 
 
-def compiled_train_sides(recipe: Recipe, full: int, epochs: int) -> list[int]:
-    """The image sides a compiled run compiles its training step at: each side it trains at
-    (a side is a static shape to the compiler)."""
-    return run_image_sides(recipe, full, epochs)
+def sizes_share_one_graph(recipe: Recipe, device_type: str, backend: str) -> bool:
+    """Whether a compiled step serves every training size with one graph, its batches' height
+    and width marked dynamic: progressive resizing in the data pipeline. Resized inside the
+    step, the side is a constant of the graph (one graph a side). Not with inductor on a CPU:
+    its code generation specializes the sizes again (cifar10-94-cpu on a 2-core Zen 3: 6 graphs
+    compiled with the sizes marked, as many as without, against 4 under dynamo's capture
+    alone), so marking them only adds a symbolic first compile."""
+    cpu_inductor = device_type == "cpu" and backend == "inductor"
+    return bool(recipe.data.progressive) and not resized_in_step(recipe) and not cpu_inductor
 
 
 def resized_in_step(recipe: Recipe) -> bool:

@@ -47,6 +47,7 @@ from ..recipe import Recipe
 from .loss import TrainingLoss
 from .precision import MasterWeights, StepPrecision
 from .runtime import Runtime, compile_function
+from .sizes import sizes_share_one_graph
 
 WHITEN_FROZEN = frozenset({"whiten_bias"})
 """Parameter groups whose LR drops to 0 after ``model.whiten.train_bias_epochs``."""
@@ -100,6 +101,7 @@ class TrainStep:
         self.freezable = [p for g in self.opt.param_groups if g["name"] in WHITEN_FROZEN for p in g["params"]] \
             if drop_frozen_grads(runtime.compile, module is model) and self.masters is None else []
         self._forward_loss, self._update = self.forward_loss, self.update
+        self.dynamic_sides = runtime.compile and sizes_share_one_graph(r, device.type, runtime.compile_backend)
         if runtime.compile:
             if runtime.cuda_graphs:                   # CUDA graphs read and write these at fixed addresses
                 live = self.averager.live if self.averager is not None else []
@@ -122,6 +124,9 @@ class TrainStep:
         weights = self.loss.image_weights(x, self.k)
         losses, corrects, per_image = [], [], []
         for i, (xm, ym, wm) in enumerate(zip(x.tensor_split(self.k), y.tensor_split(self.k), weights)):
+            if self.dynamic_sides:                    # one graph for every training size
+                torch._dynamo.maybe_mark_dynamic(xm, 2)
+                torch._dynamo.maybe_mark_dynamic(xm, 3)
             with self.no_sync() if i < self.k - 1 else nullcontext():
                 scaled, loss, correct, each = self._forward_loss(xm, ym, len(xm) / len(x), wm, size)
                 scaled.backward()
