@@ -1,6 +1,7 @@
 """The recipe matrix: which recipe trains on which data, in which precision, eager or compiled,
 with which overrides (small widths, few steps). Used by tests/test_recipe_matrix.py on the
-CPU and by benchmarks/gpu_smoke.py on a GPU; plain Python, no test framework."""
+CPU (and on a GPU by the earlier gpu_smoke.py, which docs/results.md says how to get back);
+plain Python, no test framework."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -130,7 +131,7 @@ MATRIX: list[Entry] = [
     Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=gemm"]), "bf16"),
     # (no entry for runtime.compile_mode or runtime.cuda_graphs: a CPU refuses max-autotune and
     # replays no CUDA graphs; the inductor options each pair gives are tested in
-    # test_cuda_decisions.py, and benchmarks/gpu_smoke.py runs runtime.cuda_graphs=on on a GPU)
+    # test_cuda_decisions.py; the lending's record recipe, cifar10-94-gpu, runs with them on a GPU)
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET), "fp32", "aot_eager"),
 ]
 
@@ -187,7 +188,7 @@ FIELDS: list[Entry] = [
 ]
 
 # The runs whose compiled graphs are checked for what CUDA graph trees would be given
-# (tests/test_step_structure.py on the CPU, benchmarks/cuda_graph_inputs.py for the record):
+# (tests/test_step_structure.py on the CPU; the records of the earlier cuda_graph_inputs.py):
 # (recipe, precision, overrides), narrow nets; every optimizer kind, averaging kind and precision.
 _NARROW = ["model.widths=[16,32,32]"]
 # They run on batches of 64 and 64 test images: the counts depend on neither (a half-precision

@@ -19,8 +19,7 @@ runs, code generation included) for cifar10-94 in bf16, the CUDA default of the 
 recipe, and dynamo + AOTAutograd (aot_eager: the same graph capture, guards and joint
 forward/backward graph, run by eager kernels) for the rest, whose cold inductor compiles take
 from 35 s (a ResNet-18) to 78 s (a ResNet-50) each on a 2-core CPU; inductor's numerics are
-tested on their own in test_loop.py (the bf16 global max pool). benchmarks/gpu_smoke.py runs
-every entry with inductor on a GPU.
+tested on their own in test_loop.py (the bf16 global max pool).
 """
 from __future__ import annotations
 
