@@ -22,6 +22,7 @@ from speedrun.recipe import load_recipe
     ("auto", 4, None, None, 4, "could not be read"),
     ("auto", 2, 1.0, "2", 2, "$OMP_NUM_THREADS"),        # the user's environment wins
     (3, 2, 1.0, "1", 3, "runtime.threads"),              # and a number in the recipe over it
+    ("auto", 2, 1.0, "0", 1, "1 of 2 usable cores busy"),   # a count of 0 sets nothing
 ])
 def test_threads_follow_the_idle_cores(setting, cores, busy, omp, chosen, said):
     n, why = threads.choose_threads(setting, cores, busy, omp)

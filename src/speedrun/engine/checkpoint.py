@@ -72,13 +72,19 @@ def load(path: str | Path) -> dict:
     return state
 
 
+def _averaged_names(model) -> list[str]:
+    """The names of the model's tensors that a weight average holds, in its order
+    (:func:`speedrun.optim.averaging.state_tensors`: every floating-point entry of the state)."""
+    return [name for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()]
+
+
 def rank_state(model, step) -> dict:
     """What one process of a data-parallel run keeps apart from the others, whose weights and
     optimizer state are the same as its own: its batch-norm statistics (its own batches moved
     them), their weight average, and its per-step losses."""
     params = {name for name, _ in model.named_parameters()}
     entries = model.state_dict(keep_vars=True)
-    floating = [name for name, t in entries.items() if t.is_floating_point()]
+    floating = _averaged_names(model)
     shadow = step.averager.shadow if step.averager is not None else None
     averaged = None
     if shadow is not None and len(shadow) == len(floating):
@@ -98,8 +104,7 @@ def restore_rank_state(state: dict, rank: int, model, step) -> None:
     model.load_state_dict(own["buffers"], strict=False)
     step.metrics.copy_(own["metrics"])
     if own["averager"] is not None and step.averager is not None:
-        floating = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()]
-        for i, name in enumerate(floating):
+        for i, name in enumerate(_averaged_names(model)):
             if name in own["averager"]:
                 step.averager.shadow[i].copy_(own["averager"][name])
 

@@ -304,7 +304,7 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
     n_threads = 0
     if not cuda and model is not None:            # (the plan's call: once per run, said at start)
         omp = os.environ.get("OMP_NUM_THREADS")
-        measure = cfg.threads == "auto" and not (omp and omp.strip().isdigit())
+        measure = cfg.threads == "auto" and threads.omp_threads(omp) is None
         n_threads, why = threads.choose_threads(cfg.threads, threads.usable_cores(),
                                                 threads.busy_cores() if measure else None, omp)
         choices.append(why)

@@ -55,6 +55,12 @@ def busy_cores(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS) -> float
     return max(0.0, sum(counts) / len(counts) - 1)
 
 
+def omp_threads(omp_env: str | None) -> int | None:
+    """The thread count $OMP_NUM_THREADS (``omp_env``) sets, or None where it sets none."""
+    text = (omp_env or "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def choose_threads(setting: int | str, cores: int, busy: float | None, omp_env: str | None) -> tuple[int, str]:
     """(threads, why) for ``runtime.threads = setting`` on a CPU with ``cores`` usable cores of
     which ``busy`` are busy with other work (None: unknown). A number is taken as it is; with
@@ -62,8 +68,9 @@ def choose_threads(setting: int | str, cores: int, busy: float | None, omp_env: 
     idle, at least one."""
     if setting != "auto":
         return int(setting), f"threads {setting}: runtime.threads"
-    if omp_env and omp_env.strip().isdigit() and int(omp_env) > 0:
-        return int(omp_env), f"threads {int(omp_env)}: $OMP_NUM_THREADS (runtime.threads=auto)"
+    omp = omp_threads(omp_env)
+    if omp is not None:
+        return omp, f"threads {omp}: $OMP_NUM_THREADS (runtime.threads=auto)"
     if busy is None:
         return cores, f"threads {cores}: one per usable core (how busy the machine is could not be read)"
     taken = min(cores - 1, int(busy + 0.5))
