@@ -131,7 +131,6 @@ class LogLines:
         self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs.count), rec.train_loss
 
     def final_evaluation(self, images: int, tta: str) -> None:
-        self.eval_t0 = time.monotonic()
         views = "" if tta == "none" else f", {tta} TTA"
         self.print(f"{self.title} final evaluation: {images:,} test images{views}")
 
