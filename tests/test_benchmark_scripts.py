@@ -190,7 +190,12 @@ def test_gpu_record_synthetic_times_and_profiles_each_variant_in_its_own_process
         fp32["summary"]["seconds"]["mean"] / base["summary"]["seconds"]["mean"])
 
 
-def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_nothing(tmp_path, data_dir):
+def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_nothing(tmp_path, data_dir, capsys,
+                                                                                    monkeypatch):
+    """The first and last case in a real process (its exit code and whole stderr); the rest through
+    the script's main() here: each fresh process spends seconds importing torch before it refuses."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_record
     out = tmp_path / "record.json"
     plain = tmp_path / "plain.py"
     plain.write_text("print('not an airbench script')\n")
@@ -205,11 +210,19 @@ def test_gpu_record_refuses_a_bad_system_or_missing_data_in_one_line_writing_not
              (["--system", "speedrun:cifar10-94", "--data-dir", data_dir, "--pair", "cifar10-94:airbench94.py"],
               "--pair"),
              (["--synthetic", "--recipe", "cifar10-94-fast", "--variant", "x:model.nope=1"], "unknown recipe field")]
-    for args, words in cases:
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_record.py"), *map(str, args),
-                               "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+    for i, (args, words) in enumerate(cases):
+        argv = [*map(str, args), "--out", str(out)]
+        if i in (0, len(cases) - 1):
+            proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_record.py"), *argv],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=120)
+            code, stderr = proc.returncode, proc.stderr
+        else:
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_:
+                gpu_record.main(argv)
+            code, stderr = exit_.value.code, capsys.readouterr().err
+        assert code == 2, (args, stderr)
+        assert words in stderr and len(stderr.strip().splitlines()) == 1, (args, stderr)
         assert not out.exists()
 
 
