@@ -94,7 +94,7 @@ def killed_at_first_checkpoint(args: list, run) -> dict:
 def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision, extra):
     # (bf16 on a narrower net for half as long: on CPUs without native bf16 it is emulated, ~50x slower)
     size = ["train.epochs=4", "model.widths=[32,64,64]"] if precision == "fp32" else ["train.epochs=2",
-                                                                                     "model.widths=[16,32,32]"]
+                                                                                     "model.widths=[8,16,16]"]
     size += extra
     args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--seed", "4", *TINY,
             *sum((["--set", s] for s in size), []), "--set", f"runtime.precision={precision}",
