@@ -461,9 +461,10 @@ def bench(d: dict, rec: Record):
         return [(topic(recipe, command, False) + "_runs", [run_label(recipe, opts) + "; `speedrun bench`, train+eval",
                                                          n, acc_spread(accs), spread(secs), DASH])]
     s = d.get("summary") or {}
-    a, t, p = s.get("test_acc") or {}, (s.get("times") or {}).get("train+eval") or {}, s.get("p_value_mean_at_least_target")
-    return [("fashion_bench", [run_label(recipe, opts), n,
-                               DASH if a.get("mean") is None else f"{pct(a['mean'])} ± {as_pct(a.get('std') or 0):.2f}",
+    a, t = s.get("test_acc") or {}, (s.get("times") or {}).get("train+eval") or {}
+    p = s.get("p_value_mean_at_least_target")
+    acc = f"{pct(a['mean'])} ± {as_pct(a.get('std') or 0):.2f}" if is_num(a.get("mean")) else DASH
+    return [("fashion_bench", [run_label(recipe, opts), n, acc,
                                DASH if t.get("mean") is None else f"{num(t['mean'])} ± {num(t.get('std') or 0)}",
                                sci(p) if is_num(p) and p < 0.001 else ratio(p)])]
 
@@ -480,7 +481,8 @@ def gpu_record(d: dict, rec: Record):
         out.append(("gpu_systems", [cell(label), runs_cell(len(runs), [r.get("seed") for r in runs]),
                                     DASH if synthetic else acc_spread([r.get("test_acc") for r in runs]),
                                     spread([r.get("seconds") for r in runs], sd=True),
-                                    "train+eval" if speedrun else "the script's own timer", num(s.get("warmup_seconds"))]))
+                                    "train+eval" if speedrun else "the script's own timer",
+                                    num(s.get("warmup_seconds"))]))
     return out + [("gpu_pairs", [cell(code(p["a"])), cell(code(p["b"])),
                                  f"{pct(p.get('test_acc_a'))} / {pct(p.get('test_acc_b'))}",
                                  f"{num(p.get('seconds_a'))} / {num(p.get('seconds_b'))}", ratio(p.get("time_ratio"))])
@@ -492,9 +494,9 @@ def peers(d: dict, rec: Record):
     epochs, med, figures = d.get("epochs"), (d.get("summary") or {}).get("medians") or {}, {}
     for name, p in (d.get("peers") or {}).items():
         m, train = med.get(name), p.get("train_seconds_without_final_eval")
+        per_epoch = train / epochs if is_num(train) and is_num(epochs) and epochs else None
         figures[name] = ((m["test_acc"], m["seconds_per_epoch"], m["final_eval_seconds"], m["process_seconds"]) if m
-                         else (p.get("test_acc"), train / epochs if is_num(train) and is_num(epochs) and epochs else None,
-                               p.get("final_eval_seconds"), p.get("process_seconds")))
+                         else (p.get("test_acc"), per_epoch, p.get("final_eval_seconds"), p.get("process_seconds")))
     ratios, others = DASH, [f for n, f in figures.items() if n != "speedrun"]
     if "speedrun" in figures and others:
         s = figures["speedrun"]
@@ -511,7 +513,7 @@ def sweep(d: dict, rec: Record):
     for v in d["variants"]:
         row, first = d["summary"][v["name"]], d["summary"][v["name"]].get("against")
         accs = [r["test_acc"] for r in d["runs"] if r["variant"] == v["name"] and "test_acc" in r]
-        label = f"{v['name']}: `{v['recipe']}`" + (f" {', '.join(v['sets'])}" if v["sets"] else f" as at {commit or '?'}")
+        label = f"{v['name']}: `{v['recipe']}` " + (", ".join(v["sets"]) if v["sets"] else f"as at {commit or '?'}")
         vs = f"{100 * first['diff']:+.2f} against {first['variant']} (p {num(first['p'])})" if first else DASH
         out.append(("imagenette_sweep" if "imagenette" in v["recipe"] else "other_sweep",
                     [cell(label), count(len(accs)), acc_spread(accs, sd=True),
@@ -567,7 +569,8 @@ def alternating(d: dict, rec: Record):
                                         for k in ("train_seconds", "test_acc")]
 
     a, b = [[r for r in runs if r[key] == v] for v in list(dict.fromkeys(r[key] for r in runs))[:2]]
-    measures = zip(("whole process, s: mean", "train_seconds: mean", "accuracy: mean"), side(a), side(b), (num, num, pct))
+    names = ("whole process, s: mean", "train_seconds: mean", "accuracy: mean")
+    measures = zip(names, side(a), side(b), (num, num, pct))
     return [ab(f"{key}={a[0][key]} → {key}={b[0][key]}, {len(a)} + {len(b)} processes", list(measures))]
 
 
@@ -581,30 +584,33 @@ def ops_sides(d) -> list[str]:
     return [k for k, v in d.items() if isinstance(v, dict) and "ops_per_step" in v][:2]
 
 
-PROCESS_MEDIAN = ("whole process, s: median", "process_wall_seconds", num)
-train_vs = two_sides(
+# A-against-B kinds as specs: their two sides, what they are, their measures
+train_vs = two_sides(  # `train_vs.py`: whole processes from another tree and from this one
     lambda d: (d["medians"]["other"], d["medians"]["this"]),
     lambda d: (f"tree {d['other_tree_commit']} → this tree ("
                + distinct(str(s.get("git_commit", ""))[:7] for s in (d.get("samples") or {}).get("this", []))
                + f"), `{d.get('recipe')}`, {d.get('rounds')} rounds"),
-    [PROCESS_MEDIAN, ("train_seconds: median", "train_seconds", num)])
-hold_memory = two_sides(
+    [("whole process, s: median", "process_wall_seconds", num), ("train_seconds: median", "train_seconds", num)])
+hold_memory = two_sides(  # `hold_memory.py`: runtime.hold_memory off against auto
     lambda d: (d["medians"]["off"], d["medians"]["auto"]),
     lambda d: f"runtime.hold_memory off → auto: `{d.get('command')}`, {d.get('rounds')} rounds",
     [("whole process, s: median", "process_seconds", num), ("minor page faults: median", "minor_page_faults", count),
      ("peak resident, MiB: median", "max_rss_mib", num), ("model step, s: median", "model_seconds_per_step", num),
      ("train_seconds: median", "train_seconds", num)])
-variant_pair = two_sides(lambda d: list(d["result"].values())[:2], lambda d: " → ".join(list(d["result"])[:2]),
-                         [("whole process, s", "process_wall_seconds", num), ("accuracy", "test_acc", pct)])
-fork_workers = two_sides(lambda d: list(d["summary"].values())[:2], workers_label,
-                         [("streamed training epoch, s: mean", "epoch_seconds_mean", num),
-                          ("whole process, s: mean", "process_wall_seconds_mean", num)])
-engine_vs_plain = two_sides(
+variant_pair = two_sides(  # two named variants' whole processes
+    lambda d: list(d["result"].values())[:2], lambda d: " → ".join(list(d["result"])[:2]),
+    [("whole process, s", "process_wall_seconds", num), ("accuracy", "test_acc", pct)])
+fork_workers = two_sides(  # `photo_input.py`: the streamed pipeline's workers started two ways
+    lambda d: list(d["summary"].values())[:2], workers_label,
+    [("streamed training epoch, s: mean", "epoch_seconds_mean", num),
+     ("whole process, s: mean", "process_wall_seconds_mean", num)])
+engine_vs_plain = two_sides(  # `engine_vs_plain.py`: the plain loop's step against speedrun's
     lambda d: [{"step": d["median_seconds_per_step"][k]} for k in ("plain", "speedrun")],
     lambda d: f"peers.py's plain loop → speedrun's engine, `{d.get('recipe')}` {d.get('precision', '')}",
     [("training step, s: median", "step", num)])
-step_ops = two_sides(lambda d: [d[k] for k in ops_sides(d)], lambda d: " → ".join(ops_sides(d)),
-                     [("ATen ops per eager step", "ops_per_step", count)])
+step_ops = two_sides(  # `step_ops_vs.py`: eager ATen ops per step of two trees
+    lambda d: [d[k] for k in ops_sides(d)], lambda d: " → ".join(ops_sides(d)),
+    [("ATen ops per eager step", "ops_per_step", count)])
 
 
 def step_time_vs(d: dict, rec: Record):
@@ -640,7 +646,7 @@ def step_structure(d: dict, rec: Record):
     for r in (d.get("rows") or []) + (d.get("ddp") or []):
         extra = [o for o in (r.get("overrides") or [])
                  if not o.startswith(("model.widths=", "model.width=", "data.batch_size=", "eval."))]
-        keys = ["graph_breaks", "compiled_regions_per_step"] * bool(r.get("compiled"))
+        keys = ["graph_breaks", "compiled_regions_per_step"] if r.get("compiled") else []
         text = " ".join([str(r.get("precision")), *extra]) + (f", {r['processes']} processes"
                                                               if r.get("processes") else "")
         text += " " + " / ".join(count(r.get(k)) for k in [*keys, "eager_ops_per_step", "host_syncs_per_step"])
@@ -820,7 +826,8 @@ def gone_scripts(rec: Record, reader, script: str | None) -> list[str]:
     """The scripts that made ``rec`` and are no longer in benchmarks/: its kind's script, or, for a
     record no kind reads, every script its command lines name."""
     d = rec.data if isinstance(rec.data, dict) else {}
-    commands = (d.get("command"), (d.get("environment") if isinstance(d.get("environment"), dict) else {}).get("command"))
+    env = d.get("environment") if isinstance(d.get("environment"), dict) else {}
+    commands = (d.get("command"), env.get("command"))
     names = [script] if reader else [n for c in commands for n in re.findall(r"[a-z_]+\.(?:py|sh)\b", str(c or ""))]
     return [n for n in dict.fromkeys(names) if n and not (ROOT / "benchmarks" / n).exists()]
 
