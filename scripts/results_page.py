@@ -680,6 +680,24 @@ def tta_views(d: dict, rec: Record):
     return out
 
 
+def kernel_profile(d: dict, rec: Record):
+    """Kernel time of one profiled run, and the shares of its three largest kinds of kernel."""
+    total = d.get("kernel_seconds") or 0
+    kinds = sorted(((v.get("seconds") or 0, k) for k, v in (d.get("by_kind") or {}).items()), reverse=True)[:3]
+    return [("gpu_profile", [cell(d.get("label")), count(d.get("kernels")), num(d.get("kernel_seconds")),
+                             num(d.get("wall_seconds")),
+                             cell(", ".join(f"{k} {s / total:.0%}" for s, k in kinds) if total else DASH)])]
+
+
+def ablate(d: dict, rec: Record):
+    """`speedrun ablate`: the recipe's accuracy, and the four largest losses without a trick."""
+    base = next((v.get("test_acc") or {} for v in d["variants"] if v.get("kind") == "baseline"), {})
+    losses = sorted((v["test_acc"]["mean"], v.get("label", "")) for v in d["variants"]
+                    if v.get("kind") != "baseline" and is_num((v.get("test_acc") or {}).get("mean")))[:4]
+    return [("fashion_ablate", [count(d.get("runs_per_variant")), pct(base.get("mean")),
+                                cell("; ".join(f"{label.replace('without ', '')} {pct(a)}" for a, label in losses))])]
+
+
 airbench_script = rows("gpu_systems", lambda d: [  # airbench's own script, run by itself
     cell(f"`{d['script']}` (airbench's script)"), str(len(d.get("runs") or [])),
     acc_spread([r.get("tta_acc") for r in d.get("runs") or []]),
@@ -690,17 +708,6 @@ gpu_smoke = rows("gpu_smoke", lambda e: [  # the GPU smoke run of the recipe mat
                             "yes, a loss not finite" if e.get("finite_losses") is False else "yes"),
     num(e.get("compile_seconds")), count(e.get("recompiles")), num(e.get("step_ms")),
     share((e.get("gpu_busy") or {}).get("busy_fraction"))], lambda d: d["entries"])
-kernel_profile = rows("gpu_profile", lambda d: [  # kernel time of one profiled run, its three largest kinds
-    cell(d.get("label")), count(d.get("kernels")), num(d.get("kernel_seconds")), num(d.get("wall_seconds")),
-    cell(", ".join(f"{k} {s / d['kernel_seconds']:.0%}" for s, k in sorted(
-        ((v.get("seconds") or 0, k) for k, v in (d.get("by_kind") or {}).items()), reverse=True)[:3])
-         if d.get("kernel_seconds") else DASH)])
-ablate = rows("fashion_ablate", lambda d: [  # the recipe's accuracy, the four largest losses without a trick
-    count(d.get("runs_per_variant")),
-    pct(next((v.get("test_acc") or {} for v in d["variants"] if v.get("kind") == "baseline"), {}).get("mean")),
-    cell("; ".join(f"{label.replace('without ', '')} {pct(a)}" for a, label in sorted(
-        (v["test_acc"]["mean"], v.get("label", "")) for v in d["variants"]
-        if v.get("kind") != "baseline" and is_num((v.get("test_acc") or {}).get("mean")))[:4]))])
 tuning = rows("imagenette_tuning", lambda r: [  # `imagenette_step.py`'s tuning runs
     cell(r.get("run")), pct(r.get("test_acc")), num(r.get("train_seconds")),
     cell(", ".join(r.get("overrides") or []) or "the recipe then")], lambda d: d["runs"])
