@@ -50,7 +50,7 @@ def timed_train(cmd: list[str], env: dict, folder: Path | None, cwd: Path | None
 def plain_loop(data_dir: str, n_train: int | None = None, epochs: int = 1, batch: int = 256) -> None:
     """A plain PyTorch training loop: Fashion-MNIST from its .gz files, a three-stage conv net,
     SGD with Nesterov momentum, bf16 autocast where the CPU has native bf16, torch's default
-    threads and wait policy; ``n_train``: the first so many training images (all by default).
+    threads and wait policy; ``n_train``: the first so many training and test images (all by default).
     Prints one JSON line: seconds of training, test accuracy."""
     import torch
     import torch.nn as nn
@@ -66,7 +66,7 @@ def plain_loop(data_dir: str, n_train: int | None = None, epochs: int = 1, batch
 
     xtr, ytr = images("train-images-idx3-ubyte.gz"), read("train-labels-idx1-ubyte.gz", 8).long()
     xte, yte = images("t10k-images-idx3-ubyte.gz"), read("t10k-labels-idx1-ubyte.gz", 8).long()
-    xtr, ytr = xtr[:n_train], ytr[:n_train]
+    xtr, ytr, xte, yte = xtr[:n_train], ytr[:n_train], xte[:n_train], yte[:n_train]
 
     def block(cin, cout):
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.GELU(),
@@ -146,7 +146,7 @@ def main() -> int:
                    help="time each run alone and again beside this many processes that keep a core busy")
     p.add_argument("--system", action="append", default=[],
                    help="plain, or NAME=SRC: speedrun from the checkout SRC (repeatable; default: this checkout)")
-    p.add_argument("--plain-images", type=int, help="the plain loop trains on the first N training images (all)")
+    p.add_argument("--plain-images", type=int, help="the plain loop trains and tests on the first N images of each split (all)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])

@@ -48,6 +48,34 @@ def test_train_cli_times_whole_processes_and_keeps_each_runs_folder(tmp_path, fa
     assert again.returncode == 2 and "--keep-runs" in again.stderr and not (tmp_path / "again.json").exists()
 
 
+def test_train_cli_times_each_system_alone_and_beside_a_busy_process(tmp_path, fashion_small, data_dir):
+    """The crowded-machine record: speedrun from a checkout named by --system, and the plain
+    loop on the first 2,048 Fashion-MNIST images, each alone and beside one `yes` process."""
+    out = tmp_path / "crowded.json"
+    script("train_cli.py", "fashion-mnist", "--runs", "1", "--busy", "1", "--data-dir", data_dir, "--out", out,
+           "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048", "--",
+           "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set", "model.widths=[8,8,8]",
+           "--set", "eval.tta=none", "--device", "cpu")
+    record = json.loads(out.read_text())
+    check_environment(record)
+    runs = [(r["system"], r["busy_processes"]) for r in record["runs"]]
+    assert runs == [("plain", 0), ("plain", 1), ("here", 0), ("here", 1)]
+    systems = record["summary"]["systems"]
+    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == record["environment"]["commit"]
+    for row in systems.values():
+        assert row["slowdown_busy_over_alone"] == row["busy"]["median_s"] / row["alone"]["median_s"] > 0
+    plain = [r["summary"] for r in record["runs"] if r["system"] == "plain"]
+    assert all(p["test_acc"] > 0.13 and p["train_seconds"] > 0 for p in plain)  # learned: chance + 3 SE (2,048 images)
+    # speedrun's own start line says how many threads it took, alone and beside the busy process
+    here = [r for r in record["runs"] if r["system"] == "here"]
+    assert all(any(line.startswith("speedrun: threads ") for line in r["stdout_head"]) for r in here), here
+    assert all(r["summary"]["test_acc"] > 0.2 for r in here)
+    # a --system that is no checkout is refused before any run, and nothing is written
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist", "--out",
+                          tmp_path / "bad.json", "--system", f"old={tmp_path}"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no src/speedrun" in bad.stderr and not (tmp_path / "bad.json").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # gpu_record.py: speedrun against peers' own scripts, and variants on random data
 # ------------------------------------------------------------------------------------------

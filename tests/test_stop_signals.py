@@ -87,6 +87,27 @@ def test_a_signalled_run_stops_at_a_step_with_a_checkpoint_and_resumes_bit_for_b
     assert equal_weights(tmp_path / "whole", run)
 
 
+def test_a_signal_during_the_final_evaluation_lets_the_run_finish_and_says_so(fashion_small, tmp_path):
+    """After the last step there is nothing left to resume: the evaluation ends, the record is
+    written, exit 0, and a line says the signal came too late to stop anything."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "speedrun", "train", *RESIDENT, "--data-dir", str(fashion_small), "--set",
+           "eval.tta=flip_translate", "--out", str(run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "final evaluation:" in line:
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    out = "".join(seen) + out
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    assert (f"speedrun: SIGTERM arrived after the last training step: the run finished its final evaluation and "
+            f"its record in {run} is complete") in out
+    assert (run / "summary.json").is_file() and (run / "model.pt").is_file() and not LINE.search(out)
+
+
 def test_a_streamed_run_signalled_with_its_workers_stops_and_resumes_bit_for_bit(jpeg32, tmp_path):
     """SIGTERM to the whole process group: the data worker leaves it to the trainer."""
     args = [*STREAMED, "--data-dir", str(jpeg32)]
