@@ -326,7 +326,10 @@ SECTIONS = [  # (title, what its records measured, [(table id, title, headers)])
       ("fashion_bench", "`speedrun bench`",
        ["record", "run", *WHERE, "runs", "accuracy: mean ± sd", "train+eval, s: mean ± sd", "p(mean ≥ target)"]),
       ("fashion_ablate", "`speedrun ablate`",
-       ["record", *WHERE, "runs per variant", "recipe's accuracy", "the largest losses without a trick"])]),
+       ["record", *WHERE, "runs per variant", "recipe's accuracy", "the largest losses without a trick"]),
+      ("fashion_crowded", "Alone and beside busy processes (`train_cli.py --busy K`): whole processes",
+       ["record", "system", *WHERE, "runs", "alone, s: median", "beside K busy processes, s: median",
+        "busy ÷ alone"])]),
     ("Imagenette",
      "The `imagenette` recipes (and `folder` on the same photos) on the squashed 224 px copy of imagenette2 "
      "that `benchmarks/README.md` describes: whole `speedrun train` processes, and the recipe's tuning runs.",
@@ -435,6 +438,18 @@ def whole_runs(d: dict, rec: Record):
              [run_label(recipe, opts, d.get("cold_cache")), runs_cell(len(runs), [s.get("seed") for s in sums]),
               acc_spread([s.get("test_acc") for s in sums]), spread([r.get("process_wall_seconds") for r in runs]),
               num(mean([s.get("train_seconds") for s in sums]))])]
+
+
+def crowded(d: dict, rec: Record):
+    """`benchmarks/train_cli.py --busy K`: each system's processes alone and beside K busy ones."""
+    rows = []
+    for name, row in d["summary"]["systems"].items():
+        label = ("a plain PyTorch loop" if name == "plain" else
+                 f"speedrun {name} ({str(row.get('commit') or '')[:7]}), `{d.get('command')}`")
+        rows.append(("fashion_crowded", [cell(f"{label}; K = {d['busy_processes']}"), str(len(row["alone"]["runs_s"])),
+                                         num(row["alone"]["median_s"]), num(row["busy"]["median_s"]),
+                                         ratio(row["slowdown_busy_over_alone"])]))
+    return rows
 
 
 def run_folder(d: dict, rec: Record):
@@ -767,6 +782,7 @@ KINDS = [
     (lambda d: has(d, "script", "mean_tta_acc", "runs"), airbench_script, None),
     (lambda d: has(d, "by_kind", "kernels"), kernel_profile, None),
     (lambda d: has(d, "test_acc", "train_seconds", "recipe") and "runs" not in d, run_folder, None),
+    (lambda d: bool(d.get("busy_processes")) and has(d, "systems", "summary"), crowded, "train_cli.py"),
     (lambda d: d.get("benchmark") == "speedrun train, whole process" or isinstance(d.get("test_acc"), list)
      and ("combined_from" in d or "parts" in d), whole_runs, "train_cli.py"),
     (lambda d: has(d, "peers", "definitions"), peers, "peers.py"),
