@@ -373,9 +373,9 @@ GROUPS = [
     ("photo", "Photo input pipelines",
      ("Decoding a photo folder once against streaming it, the input pipelines alone, whole runs of the "
       "`folder` recipe on CIFAR-10 exported as JPEG files, and whole `speedrun train` runs on a synthetic "
-      "Imagenette-shaped folder against the model step alone (`benchmarks/photo_throughput.py`).")),
+      "Imagenette-shaped folder against the model step alone (`benchmarks/throughput.py runs`).")),
     ("resnet50", "ResNet-50 training throughput",
-     ("`benchmarks/imagenet_throughput.py`: one device's training step of the recipe alone on a device-resident "
+     ("`benchmarks/throughput.py pipelines`: one device's training step of the recipe alone on a device-resident "
       "random batch, then fed by speedrun's pipelines from a synthetic ImageNet-like JPEG folder; images/s are "
       "medians of the timed blocks; a pipeline is model-bound at 90% of the model step's images/s or more.")),
     ("ab", "A against B: alternating or paired runs",
@@ -430,7 +430,7 @@ TABLES = [
       "one training epoch: images/s, accuracy"]),
     ("photo_stream", "photo", "Streamed pipeline against a per-sample Pillow pipeline",
      ["record", *WHERE, "images", "workers", "images/s by pipeline and crop", "speed-up"]),
-    ("photo_throughput", "photo", "Whole runs against the model step (`benchmarks/photo_throughput.py`)",
+    ("photo_throughput", "photo", "Whole runs against the model step (`benchmarks/throughput.py runs`)",
      ["record", "recipe, run", *WHERE, "images", "whole process, s", "train_seconds (compile before it, s)",
       "pipeline images/s", "model step images/s", "pipeline ÷ model step", "bound by"]),
     ("photo_runs", "photo", "Whole processes", RUN_HEAD),
@@ -1015,7 +1015,7 @@ def reader_for(d):
          and all(isinstance(v, dict) and "test_acc" in v for v in d["result"].values()), variant_pair_rows),
         (has(d, "model_step_seconds", "runs"), tuning_rows),
         (has(d, "pipeline_images_per_s", "decode"), photo_input_rows),
-        (has(d, "runs", "model_step", "photos") and "photo_throughput" in str(d.get("script", "")),
+        (has(d, "runs", "model_step", "photos") and "throughput" in str(d.get("script", "")),
          photo_throughput_rows),
         (has(d, "model_step", "pipelines", "scale_input"), resnet50_rows),
         (has(d, "settings", "base_commit") and "same_weights" in str(d.get("script", "")), same_weights_rows),
@@ -1041,11 +1041,13 @@ def reader_for(d):
 # ------------------------------------------------------------------------------------------
 
 LAST_HELD = "90a0884"
-"""The last commit that holds every script below: ``git show 90a0884:benchmarks/NAME`` gives it back."""
+"""The last commit that holds every script of REMOVED: ``git show 90a0884:benchmarks/NAME`` gives it back."""
 
 REMOVED = ("cpu_step_levers.py", "cuda_graph_inputs.py", "engine_vs_plain.py", "gpu_smoke.py",
            "hold_memory.py", "imagenette_step.py", "photo_input.py", "step_ops_vs.py", "step_time_vs.py",
            "stream_pipeline.py", "train_vs.py", "tta_views.py")
+MERGED = {"imagenet_throughput.py": "2044398", "photo_throughput.py": "2044398"}
+"""Scripts merged into another (benchmarks/throughput.py), each with the last commit that holds it."""
 
 READER_SCRIPT = {gpu_smoke_rows: "gpu_smoke.py", engine_vs_plain_rows: "engine_vs_plain.py",
                  train_vs_rows: "train_vs.py", hold_memory_rows: "hold_memory.py", tuning_rows: "imagenette_step.py",
@@ -1062,17 +1064,18 @@ def removed_script(rec: Record, reader) -> str | None:
     for text in (rec.data.get("command"), rec.data.get("script"), (env or {}).get("command")) \
             if isinstance(rec.data, dict) else ():
         for name in re.findall(r"[a-z_]+\.(?:py|sh)\b", str(text or "")):
-            if name in REMOVED:
+            if name in REMOVED or name in MERGED:
                 return name
     return READER_SCRIPT.get(reader)
 
 
 def removed_section(made: dict[str, list[str]]) -> str:
-    rows = [[code(name), code(f"git show {LAST_HELD}:benchmarks/{name}"), cell("; ".join(made[name]))]
-            for name in sorted(made)]
-    return ("\n## Records whose script left the tree\n\nOne-off comparisons whose answer is settled: their "
-            "scripts are no longer in `benchmarks/`, their records stay above. Each script comes back, as it was "
-            f"when it left, with `git show {LAST_HELD}:benchmarks/NAME`; as a record ran it, with "
+    rows = [[code(name), code(f"git show {MERGED.get(name, LAST_HELD)}:benchmarks/{name}"),
+             cell("; ".join(made[name]))] for name in sorted(made)]
+    return ("\n## Records whose script left the tree\n\nTheir scripts are no longer in `benchmarks/`: one-off "
+            "comparisons whose answer is settled, and the two throughput scripts, now the two modes of "
+            "`benchmarks/throughput.py` (`pipelines`, `runs`). Their records stay above. Each script comes back, as "
+            "it was when it left, with the command beside it; as a record ran it, with "
             "`git show COMMIT:benchmarks/NAME` for the commit the record names (beside each record below).\n\n"
             + table_md(["script", "get it back", "its records (the commit each ran from)"], rows))
 
