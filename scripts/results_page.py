@@ -340,18 +340,19 @@ SECTIONS = [  # (title, what its records measured, [(table id, title, headers)])
     ("Photo input pipelines",
      "Decoding a photo folder once against streaming it, the input pipelines alone, whole runs of the "
      "`folder` recipe on CIFAR-10 exported as JPEG files, and whole `speedrun train` runs on a synthetic "
-     "Imagenette-shaped folder against the model step alone (`benchmarks/photo_throughput.py`).",
+     "Imagenette-shaped folder against the model step alone (`benchmarks/throughput.py runs`, earlier "
+     "`photo_throughput.py`).",
      [("photo_input", "Decode once against stream (`benchmarks/photo_input.py`)",
        ["record", *WHERE, "decode once, images/s", "pipeline alone, images/s: streamed / cached",
         "one training epoch: images/s, accuracy"]),
       ("photo_stream", "Streamed pipeline against a per-sample Pillow pipeline",
        ["record", *WHERE, "images", "workers", "images/s by pipeline and crop", "speed-up"]),
-      ("photo_throughput", "Whole runs against the model step (`benchmarks/photo_throughput.py`)",
+      ("photo_throughput", "Whole runs against the model step (`benchmarks/throughput.py runs`)",
        ["record", "recipe, run", *WHERE, "images", "whole process, s", "train_seconds (compile before it, s)",
         "pipeline images/s", "model step images/s", "pipeline ÷ model step", "bound by"]),
       ("photo_runs", "Whole processes", RUNS), ("photo_summary", "Single runs kept whole (run folders)", SUMMARY)]),
     ("ResNet-50 training throughput",
-     "`benchmarks/imagenet_throughput.py`: one device's training step of the recipe alone on a device-resident "
+     "`benchmarks/throughput.py pipelines` (earlier `imagenet_throughput.py`): one device's training step of the recipe alone on a device-resident "
      "random batch, then fed by speedrun's pipelines from a synthetic ImageNet-like JPEG folder; images/s are "
      "medians of the timed blocks; a pipeline is model-bound at 90% of the model step's images/s or more.",
      [("resnet50", "Model step and pipelines", ["record", "recipe", *WHERE, "batch × px", "model step, images/s",
@@ -796,9 +797,9 @@ KINDS = [
      and all(isinstance(v, dict) and "test_acc" in v for v in d["result"].values()), variant_pair, None),
     (lambda d: has(d, "model_step_seconds", "runs"), tuning, "imagenette_step.py"),
     (lambda d: has(d, "pipeline_images_per_s", "decode"), photo_input, "photo_input.py"),
-    (lambda d: has(d, "runs", "model_step", "photos") and "photo_throughput" in str(d.get("script", "")),
-     photo_throughput, "photo_throughput.py"),
-    (lambda d: has(d, "model_step", "pipelines", "scale_input"), resnet50, "imagenet_throughput.py"),
+    (lambda d: has(d, "runs", "model_step", "photos") and "throughput" in str(d.get("script", "")),
+     photo_throughput, "throughput.py"),
+    (lambda d: has(d, "model_step", "pipelines", "scale_input"), resnet50, "throughput.py"),
     (lambda d: has(d, "settings", "base_commit") and "same_weights" in str(d.get("script", "")), same_weights,
      "same_weights.py"),
     (lambda d: "workers_started_by" in first_run(d) and "summary" in d, fork_workers, "photo_input.py"),
@@ -839,18 +840,23 @@ INTRO = (
     "the script after adding a record. `benchmarks/README.md` says which script writes each kind of record; the "
     "last section names the records whose script has left the tree, and how to get that script back.\n"
 )
-GONE = ("\n## Records whose script left the tree\n\nOne-off comparisons whose answer is settled: their scripts are "
-        "no longer in `benchmarks/`, their records stay above. Each script comes back as it was when it left with "
+GONE = ("\n## Records whose script left the tree\n\nTheir scripts are no longer in `benchmarks/`: one-off "
+        "comparisons whose answer is settled, and scripts merged into another (the two throughput scripts are the "
+        "two modes of `benchmarks/throughput.py`); their records stay above. Each script comes back as it was when it left with "
         "the command beside it (the script at the commit before the one that removed it); as a record ran it, with "
         "`git show COMMIT:benchmarks/NAME` for the commit the record names (beside each record below).\n\n")
 
 
 def gone_scripts(rec: Record, reader, script: str | None) -> list[str]:
-    """The scripts that made ``rec`` and are no longer in benchmarks/: its kind's script, or, for a
+    """The scripts that made ``rec`` and are no longer in benchmarks/: its kind's script (the one
+    the record names, where it names one: a kind's script may have had another name), or, for a
     record no kind reads, every script its command lines name."""
     d = rec.data if isinstance(rec.data, dict) else {}
     env = d.get("environment") if isinstance(d.get("environment"), dict) else {}
     commands = (d.get("command"), env.get("command"))
+    named = str(d.get("script") or "")
+    if script and named.endswith(".py"):
+        script = Path(named).name
     names = [script] if reader else [n for c in commands for n in re.findall(r"[a-z_]+\.(?:py|sh)\b", str(c or ""))]
     return [n for n in dict.fromkeys(names) if n and not (ROOT / "benchmarks" / n).exists()]
 
