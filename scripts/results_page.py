@@ -1041,11 +1041,14 @@ def reader_for(d):
 # ------------------------------------------------------------------------------------------
 
 LAST_HELD = "90a0884"
-"""The last commit that holds every script below: ``git show 90a0884:benchmarks/NAME`` gives it back."""
+"""The last commit that holds every script below but those of HELD_AT: ``git show 90a0884:benchmarks/NAME``."""
+
+HELD_AT = {"stop_check.py": "0a5f7b6"}
+"""Scripts that left later, each with a commit that holds it as it was when it left."""
 
 REMOVED = ("cpu_step_levers.py", "cuda_graph_inputs.py", "engine_vs_plain.py", "gpu_smoke.py",
            "hold_memory.py", "imagenette_step.py", "photo_input.py", "step_ops_vs.py", "step_time_vs.py",
-           "stream_pipeline.py", "train_vs.py", "tta_views.py")
+           "stop_check.py", "stream_pipeline.py", "train_vs.py", "tta_views.py")
 
 READER_SCRIPT = {gpu_smoke_rows: "gpu_smoke.py", engine_vs_plain_rows: "engine_vs_plain.py",
                  train_vs_rows: "train_vs.py", hold_memory_rows: "hold_memory.py", tuning_rows: "imagenette_step.py",
@@ -1068,11 +1071,11 @@ def removed_script(rec: Record, reader) -> str | None:
 
 
 def removed_section(made: dict[str, list[str]]) -> str:
-    rows = [[code(name), code(f"git show {LAST_HELD}:benchmarks/{name}"), cell("; ".join(made[name]))]
-            for name in sorted(made)]
+    rows = [[code(name), code(f"git show {HELD_AT.get(name, LAST_HELD)}:benchmarks/{name}"),
+             cell("; ".join(made[name]))] for name in sorted(made)]
     return ("\n## Records whose script left the tree\n\nOne-off comparisons whose answer is settled: their "
             "scripts are no longer in `benchmarks/`, their records stay above. Each script comes back, as it was "
-            f"when it left, with `git show {LAST_HELD}:benchmarks/NAME`; as a record ran it, with "
+            "when it left, with the command beside it; as a record ran it, with "
             "`git show COMMIT:benchmarks/NAME` for the commit the record names (beside each record below).\n\n"
             + table_md(["script", "get it back", "its records (the commit each ran from)"], rows))
 
