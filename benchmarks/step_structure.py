@@ -1,26 +1,20 @@
 """The structure of one training step, eager and compiled, counted on the CPU (what a GPU
-would launch and wait for), and CPU milliseconds per step; or (``--stop-check``) the cost of
-the stop check the loop adds after every step.
-
-For cifar10-94, cifar10-94-fast and imagenet-resnet50, in fp32, bf16 and fp16 (CPU autocast
-with the loss scale), eager and compiled (inductor by default): graph breaks, compiled
-regions per step, eager ATen ops per step outside compiled regions, host syncs per step
-(maximum over the steps of a short real epoch; how each is counted: src/speedrun/profiling/
-step_structure.py). Also one micro-batch variant (train.accumulate=2). Then milliseconds per
-step eager against compiled, at the recipes' own widths.
-
-Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), for
-imagenet-resnet50 upscaled to 64 px (its recipe's random-resized crops are cut on the
-device). Counts do not depend on width, so the structure runs use narrow nets.
+would launch and wait for), and CPU milliseconds per step; or the cost of the stop check the
+loop makes after every step.
 
     python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
-        [--no-structure] [--set KEY=VALUE ...] [--out benchmarks/results/step-structure-<cpu>.json]
-
-The stop check (StopAgreement.signal: what lets a signal to any rank stop all ranks after the
-same step) is timed alone, in 5 rounds of ``--calls`` calls: in one process (a flag read), then
-in two torchrun processes (gloo) all-reducing one integer held on the CPU:
-
+        [--no-structure] [--ddp | --ddp-only] [--set KEY=VALUE ...] [--out FILE.json]
     python benchmarks/step_structure.py --stop-check [--calls 2000] [--out FILE.json]
+
+Structure, for cifar10-94, cifar10-94-fast and imagenet-resnet50 in fp32, bf16 and fp16 (CPU
+autocast with the loss scale), eager and compiled, and bf16 with train.accumulate=2: graph
+breaks, compiled regions, eager ATen ops outside them and host syncs per step (the maximum over
+the steps of a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow
+nets (the counts do not depend on width); then milliseconds per step at the recipes' own widths.
+Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled
+to 64 px for imagenet-resnet50. The stop check (StopAgreement.signal) is timed alone, 5 rounds
+of ``--calls`` calls: in one process (a flag read), then in two torchrun processes (gloo)
+all-reducing one integer held on the CPU.
 """
 from __future__ import annotations
 
@@ -181,7 +175,8 @@ def main() -> int:
     p.add_argument("--ddp-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every row (e.g. the GPU levers: model.global_pool_grad=select)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the record (default: results/step-structure-CPU.json; --stop-check: "
+                                            "results/stop-check-CPU-COMMIT.json, never overwritten)")
     args = p.parse_args()
     if args.ddp_worker:
         return ddp_worker(args)
@@ -205,9 +200,6 @@ def main() -> int:
                       "the warm-up) eager vs compiled at the recipes' own widths",
               "environment": env, "backend": args.backend, "rows": rows, "timing": timing, "ddp": ddp}
 
-    def save():
-        atomic_write_json(out, record)
-
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
         for precision in args.precisions.split(","):
             for compiled in (False, True):
@@ -216,12 +208,12 @@ def main() -> int:
                 print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} breaks {row['graph_breaks']} "
                       f"regions {row['compiled_regions_per_step']} eager ops {row['eager_ops_per_step']} "
                       f"syncs {row['host_syncs_per_step']}", flush=True)
-                save()
+                atomic_write_json(out, record)
         row = one(name, "bf16", True, args.backend, [*args.set, "train.accumulate=2"])
         rows.append(row)
         print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
               f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        save()
+        atomic_write_json(out, record)
     for name, sets in DDP_ROWS if args.ddp or args.ddp_only else []:
         if name not in recipes:
             continue
@@ -230,7 +222,7 @@ def main() -> int:
         print(f"{name:18} bf16  compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: breaks "
               f"{row['graph_breaks']} regions {row['compiled_regions_per_step_by_rank']} eager ops "
               f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        save()
+        atomic_write_json(out, record)
     if args.timed_steps and not args.ddp_only:
         for name in recipes:
             for precision in args.timing_precisions.split(","):
@@ -243,7 +235,7 @@ def main() -> int:
                     print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} "
                           f"{sum(ms) / len(ms):9.1f} ms/step (min {min(ms):.1f}) warm-up "
                           f"{row['build_and_warm_up_seconds']:.1f} s", flush=True)
-                    save()
+                    atomic_write_json(out, record)
     print(f"record: {out}")
     return 0
 
