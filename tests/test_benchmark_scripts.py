@@ -392,6 +392,41 @@ def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none
 
 
 # ------------------------------------------------------------------------------------------
+# step_structure.py: what one training step costs, counted and timed on the CPU; the stop check
+# ------------------------------------------------------------------------------------------
+
+def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
+    out = tmp_path / "structure.json"
+    script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
+           "--backend", "aot_eager", "--timed-steps", 2, "--set", "model.widths=[16,32,32]",
+           "--set", "data.batch_size=64", "--out", out, timeout=900)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    rows = {(r["precision"], r["compiled"], "train.accumulate=2" in r["overrides"]): r for r in record["rows"]}
+    assert set(rows) == {("fp32", False, False), ("fp32", True, False), ("bf16", True, True)}
+    eager, compiled, micro = rows[("fp32", False, False)], rows[("fp32", True, False)], rows[("bf16", True, True)]
+    for row in (eager, compiled, micro):                # counted over 4 real steps: no sync, no graph break
+        assert row["steps_counted"] == 4 and row["host_syncs_per_step"] == 0 and row["graph_breaks"] == 0, row
+    assert eager["compiled_regions_per_step"] == 0 and eager["eager_ops_per_step"] > 100
+    assert 1 <= compiled["compiled_regions_per_step"] <= 3 and compiled["eager_ops_per_step"] <= 10
+    assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
+    assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
+    assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
+    # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
+    stop = tmp_path / "stop-check.json"
+    script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
+    record = json.loads(stop.read_text())
+    check_environment(record)
+    medians = record["median_us"]
+    assert set(medians) == {"one_process_us", "two_processes_gloo_us"} and record["calls_per_round"] == 50
+    assert all(len(record[k]) == 5 and min(record[k]) > 0 for k in medians)
+    assert medians["two_processes_gloo_us"] > medians["one_process_us"]
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_structure.py"), "--stop-check",
+                            "--out", str(stop)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stderr and json.loads(stop.read_text()) == record
+
+
+# ------------------------------------------------------------------------------------------
 # throughput.py: the model step against its pipelines, and against whole runs, tiny on the CPU
 # ------------------------------------------------------------------------------------------
 

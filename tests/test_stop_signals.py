@@ -170,13 +170,3 @@ def worker_pids(agent_pid: int) -> list[tuple[int, int]]:
     from test_distributed import worker_pids as by_rank
     return sorted(by_rank(agent_pid).items())
 
-
-def test_the_stop_check_benchmark_times_one_and_two_processes(tmp_path):
-    out = tmp_path / "stop-check.json"
-    subprocess.run([sys.executable, "benchmarks/stop_check.py", "--calls", "50", "--out", str(out)], check=True,
-                   cwd=Path(__file__).resolve().parents[1], env=plain_env(), timeout=300, capture_output=True)
-    import json
-    record = json.loads(out.read_text())
-    assert set(record["median_us"]) == {"one_process_us", "two_processes_gloo_us"}
-    assert all(len(record[k]) == 5 and min(record[k]) > 0 for k in record["median_us"])
-    assert record["environment"]["cpu_model"] and record["environment"]["torch_version"]
