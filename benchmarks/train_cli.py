@@ -137,8 +137,8 @@ def main() -> int:
     p.add_argument("--data-dir")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--keep-runs", type=Path,
-                   help="copy each run's folder (config, metrics, summary, weights) to KEEP_RUNS/run<i> "
-                        "after its process ended (outside the timed region)")
+                   help="copy each run's folder (config, metrics, summary, weights) to KEEP_RUNS/run<i> (with "
+                        "--system or --busy: SYSTEM-run<i>[-busyK]) after its process ended (outside the timed region)")
     p.add_argument("--cold-cache", action="store_true",
                    help="each run with an empty decoded-folder cache and an empty compile cache (the "
                         "decoding and any compiling are in the timed process)")
@@ -153,14 +153,17 @@ def main() -> int:
     environ = machine()      # (the commit that runs, read before it runs)
     args.extra = argv[cut + 1:]
     systems = [parse_system(s) for s in args.system] or [("speedrun", None)]
-    if args.keep_runs and (len(systems) > 1 or args.busy):
-        p.error("--keep-runs keeps the runs of one system timed alone; leave out --busy and --system")
     if any(name == "plain" for name, _ in systems) and not args.data_dir:
         p.error("--system plain reads Fashion-MNIST from --data-dir")
     for name, src in systems:
         if src is not None and not (src / "src" / "speedrun").is_dir():
             p.error(f"--system {name}: {src} has no src/speedrun; give a speedrun checkout")
-    kept = [args.keep_runs / f"run{i}" for i in range(args.runs)] if args.keep_runs else []
+    plain_only = len(systems) == 1 and not args.busy           # (kept as run<i>; else SYSTEM-run<i>[-busyK])
+
+    def kept_name(name: str, i: int, busy: int) -> str:
+        return f"run{i}" if plain_only else f"{name}-run{i}" + (f"-busy{busy}" if busy else "")
+    kept = [args.keep_runs / kept_name(name, i, busy) for i in range(args.runs) for name, _ in systems
+            for busy in ([0, args.busy] if args.busy else [0]) if name != "plain"] if args.keep_runs else []
     taken = [k for k in kept if k.exists()]
     if taken:                                        # refused before any run, not after the first
         p.error(f"--keep-runs: {taken[0]} exists; give an empty or new folder")
@@ -192,8 +195,8 @@ def main() -> int:
                         return proc.returncode
                     if name == "plain":
                         summary = json.loads(proc.stdout.strip().splitlines()[-1])
-                    if args.keep_runs:
-                        shutil.copytree(folder, args.keep_runs / f"run{i}", dirs_exist_ok=False)
+                    if args.keep_runs and name != "plain":
+                        shutil.copytree(folder, args.keep_runs / kept_name(name, i, busy), dirs_exist_ok=False)
                     runs.append({"system": name, "busy_processes": busy, "process_wall_seconds": wall,
                                  "summary": summary, "metrics": metrics, "stdout_head": proc.stdout.splitlines()[:8]})
                     print(f"{name} run {i}{' beside %d busy' % busy if busy else ''}: test_acc "
