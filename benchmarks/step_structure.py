@@ -1,19 +1,20 @@
 """The structure of one training step, eager and compiled, counted on the CPU (what a GPU
-would launch and wait for), and CPU milliseconds per step.
-
-For cifar10-94, cifar10-94-fast and imagenet-resnet50, in fp32, bf16 and fp16 (CPU autocast
-with the loss scale), eager and compiled (inductor by default): graph breaks, compiled
-regions per step, eager ATen ops per step outside compiled regions, host syncs per step
-(maximum over the steps of a short real epoch; how each is counted: src/speedrun/bench/
-structure.py). Also one micro-batch variant (train.accumulate=2). Then milliseconds per
-step eager against compiled, at the recipes' own widths.
-
-Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), for
-imagenet-resnet50 upscaled to 64 px (its recipe's random-resized crops are cut on the
-device). Counts do not depend on width, so the structure runs use narrow nets.
+would launch and wait for), and CPU milliseconds per step; or the cost of the stop check the
+loop makes after every step.
 
     python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
-        [--no-structure] [--set KEY=VALUE ...] [--out benchmarks/results/step-structure-<cpu>.json]
+        [--no-structure] [--ddp | --ddp-only] [--set KEY=VALUE ...] [--out FILE.json]
+    python benchmarks/step_structure.py --stop-check [--calls 2000] [--out FILE.json]
+
+Structure, for cifar10-94, cifar10-94-fast and imagenet-resnet50 in fp32, bf16 and fp16 (CPU
+autocast with the loss scale), eager and compiled, and bf16 with train.accumulate=2: graph
+breaks, compiled regions, eager ATen ops outside them and host syncs per step (the maximum over
+the steps of a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow
+nets (the counts do not depend on width); then milliseconds per step at the recipes' own widths.
+Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled
+to 64 px for imagenet-resnet50. The stop check (StopAgreement.signal) is timed alone, 5 rounds
+of ``--calls`` calls: in one process (a flag read), then in two torchrun processes (gloo)
+all-reducing one integer held on the CPU.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,12 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from speedrun.data import load_dataset
+from speedrun.engine.distributed import StopAgreement
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
-from speedrun.files import atomic_write_json
+from speedrun.errors import SpeedrunError
+from speedrun.files import atomic_write_json, check_output_file
 from speedrun.profiling.step_structure import measure
 from speedrun.recipe import load_recipe
 from speedrun.report.environment import machine
+from speedrun.stop_signals import StopSignals
+from speedrun.world import World
 
+RESULTS = Path(__file__).resolve().parent / "results"
 NARROW = {"cifar10-94": ["model.widths=[16,32,32]"], "cifar10-94-fast": ["model.widths=[16,32,32]"],
           "imagenet-resnet50": ["model.width=16"]}
 BATCH = {"cifar10-94": 256, "cifar10-94-fast": 256, "imagenet-resnet50": 32}
@@ -78,33 +85,76 @@ narrow nets), and ResNet-50 with 1 MiB buckets, the smallest compiled DDP allows
 bucket), so that dynamo cuts the compiled model into several graphs."""
 
 
-def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dict:
-    """The structure of one data-parallel step, bf16 compiled, measured in each of ``processes``
-    torchrun workers (gloo); rank 0's counts are returned with every rank's region count."""
+def torchrun(worker: list[str], processes: int = 2) -> list[dict]:
+    """This script's ``worker`` arguments run in ``processes`` torchrun processes (gloo, one
+    thread each); what each rank wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               __file__, "--ddp-worker", name, "--ddp-out", tmp, "--backend", backend,
-               *sum((["--ddp-set", s] for s in sets), [])]
+               __file__, *worker, "--ddp-out", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode:
-            raise SystemExit(f"ddp {name} {sets}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}")
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
+            raise SystemExit(f"{' '.join(worker)}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}")
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
+
+
+def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dict:
+    """The structure of one data-parallel step, bf16 compiled, measured in each of ``processes``
+    torchrun workers (gloo); rank 0's counts are returned with every rank's region count."""
+    ranks = torchrun(["--ddp-worker", name, "--backend", backend, *sum((["--ddp-set", s] for s in sets), [])],
+                     processes)
     row = ranks[0]
     row["processes"], row["ddp_sets"] = processes, sets
     row["compiled_regions_per_step_by_rank"] = [r["compiled_regions_per_step"] for r in ranks]
     return row
 
 
-def ddp_worker(name: str, out: Path, backend: str, sets: list[str]) -> int:
+def ddp_worker(args) -> int:
+    """One torchrun process: a data-parallel structure row, or the stop check's rounds."""
     from speedrun.engine import distributed
     world = distributed.detect()
     distributed.start(world, torch.device("cpu"), "gloo", 600.0)
     try:
-        row = one(name, "bf16", True, backend, sets, world=world)
+        if args.ddp_worker == "stop-check":
+            agreement, stop = StopAgreement(world), StopSignals()
+            row = {"us": time_calls(lambda: agreement.signal(stop.received), args.calls)}
+        else:
+            row = one(args.ddp_worker, "bf16", True, args.backend, args.ddp_set, world=world)
     finally:
         distributed.stop()
-    atomic_write_json(out / f"rank{world.rank}.json", row)
+    atomic_write_json(args.ddp_out / f"rank{world.rank}.json", row)
+    return 0
+
+
+def time_calls(check, calls: int) -> list[float]:
+    """Microseconds per call of ``check``, in 5 rounds of ``calls`` calls (after 100 to warm up)."""
+    for _ in range(100):
+        check()
+    rounds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            check()
+        rounds.append((time.perf_counter() - t) / calls * 1e6)
+    return rounds
+
+
+def stop_check(calls: int, out: Path, env: dict) -> int:
+    """The stop check's microseconds per call in one process and in two (torchrun, gloo)."""
+    try:
+        check_output_file(out, "--out")
+    except SpeedrunError as err:
+        print(f"step_structure: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    one_process, stop = StopAgreement(World()), StopSignals()
+    record = {"what": "microseconds per call of the loop's stop check (StopAgreement.signal), 5 rounds",
+              "calls_per_round": calls, "one_process_us": time_calls(lambda: one_process.signal(stop.received), calls)}
+    record["two_processes_gloo_us"] = torchrun(["--ddp-worker", "stop-check", "--calls", str(calls)])[0]["us"]
+    record.update(median_us={k: statistics.median(record[k]) for k in ("one_process_us", "two_processes_gloo_us")},
+                  environment=env)
+    atomic_write_json(out, record)
+    print({k: round(v, 2) for k, v in record["median_us"].items()}, f"record: {out}")
     return 0
 
 
@@ -118,18 +168,25 @@ def main() -> int:
     p.add_argument("--timing-precisions", default="fp32,bf16")
     p.add_argument("--ddp", action="store_true", help="also the data-parallel rows (2 torchrun processes, gloo)")
     p.add_argument("--ddp-only", action="store_true", help="only the data-parallel rows (added to --out's record)")
+    p.add_argument("--stop-check", action="store_true", help="time the loop's stop check instead (its own record)")
+    p.add_argument("--calls", type=int, default=2000, help="--stop-check: calls per round")
     p.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     p.add_argument("--ddp-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--ddp-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every row (e.g. the GPU levers: model.global_pool_grad=select)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the record (default: results/step-structure-CPU.json; --stop-check: "
+                                            "results/stop-check-CPU-COMMIT.json, never overwritten)")
     args = p.parse_args()
     if args.ddp_worker:
-        return ddp_worker(args.ddp_worker, args.ddp_out, args.backend, args.ddp_set)
+        return ddp_worker(args)
     env = machine()
     cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
-    out = args.out or Path(__file__).parent / "results" / f"step-structure-{cpu}.json"
+    if args.stop_check:
+        commit = (env.get("git_commit") or "")[:7]
+        return stop_check(args.calls, args.out or RESULTS / f"stop-check-{cpu}{'-' if commit else ''}{commit}.json",
+                          env)
+    out = args.out or RESULTS / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
     rows, timing, ddp = [], [], []
     if (args.ddp_only or args.no_structure) and out.exists():      # a partial run keeps the record's other parts
@@ -143,9 +200,6 @@ def main() -> int:
                       "the warm-up) eager vs compiled at the recipes' own widths",
               "environment": env, "backend": args.backend, "rows": rows, "timing": timing, "ddp": ddp}
 
-    def save():
-        atomic_write_json(out, record)
-
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
         for precision in args.precisions.split(","):
             for compiled in (False, True):
@@ -154,12 +208,12 @@ def main() -> int:
                 print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} breaks {row['graph_breaks']} "
                       f"regions {row['compiled_regions_per_step']} eager ops {row['eager_ops_per_step']} "
                       f"syncs {row['host_syncs_per_step']}", flush=True)
-                save()
+                atomic_write_json(out, record)
         row = one(name, "bf16", True, args.backend, [*args.set, "train.accumulate=2"])
         rows.append(row)
         print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
               f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        save()
+        atomic_write_json(out, record)
     for name, sets in DDP_ROWS if args.ddp or args.ddp_only else []:
         if name not in recipes:
             continue
@@ -168,7 +222,7 @@ def main() -> int:
         print(f"{name:18} bf16  compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: breaks "
               f"{row['graph_breaks']} regions {row['compiled_regions_per_step_by_rank']} eager ops "
               f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        save()
+        atomic_write_json(out, record)
     if args.timed_steps and not args.ddp_only:
         for name in recipes:
             for precision in args.timing_precisions.split(","):
@@ -181,7 +235,7 @@ def main() -> int:
                     print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} "
                           f"{sum(ms) / len(ms):9.1f} ms/step (min {min(ms):.1f}) warm-up "
                           f"{row['build_and_warm_up_seconds']:.1f} s", flush=True)
-                    save()
+                    atomic_write_json(out, record)
     print(f"record: {out}")
     return 0
 

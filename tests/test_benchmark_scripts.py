@@ -30,22 +30,41 @@ def check_environment(record: dict) -> None:
         assert env["git_commit"] == head_commit()
 
 
-def test_train_cli_times_whole_processes_and_keeps_each_runs_folder(tmp_path, fashion_small):
+def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_each_runs_folder(
+        tmp_path, fashion_small, data_dir):
+    """speedrun from a checkout named by --system (seed 3) and the plain loop (on the first 2,048
+    Fashion-MNIST images), each alone and beside one `yes` process: every process timed from
+    outside, every speedrun run's folder kept."""
     out, keep = tmp_path / "train.json", tmp_path / "kept"
-    script("train_cli.py", "fashion-mnist", "--runs", "2", "--data-dir", fashion_small, "--out", out,
-           "--keep-runs", keep, "--", "--set", "data.dataset=npz", "--set", "train.epochs=3",
-           "--set", "data.batch_size=128", "--set", "eval.tta=none", "--device", "cpu")
+    script("train_cli.py", "fashion-mnist", "--runs", "1", "--first-seed", "3", "--busy", "1", "--data-dir", data_dir, "--out", out,
+           "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048", "--keep-runs", keep, "--",
+           "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set", "train.epochs=3",
+           "--set", "data.batch_size=128", "--set", "eval.tta=none", "--device", "cpu", timeout=600)
     record = json.loads(out.read_text())
     check_environment(record)
     runs = record["runs"]
-    assert len(runs) == 2 and all(r["process_wall_seconds"] > r["summary"]["train_seconds"] > 0 for r in runs)
-    assert [r["summary"]["seed"] for r in runs] == [0, 1]
-    assert record["summary"]["test_acc_min"] > 0.5                        # learned (chance: 0.1)
-    assert sorted(p.name for p in keep.iterdir()) == ["run0", "run1"] and (keep / "run1" / "model.pt").is_file()
-    # a kept folder that exists is refused before any run, and nothing is written
-    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist",
-                            "--out", tmp_path / "again.json", "--keep-runs", keep], capture_output=True, text=True)
-    assert again.returncode == 2 and "--keep-runs" in again.stderr and not (tmp_path / "again.json").exists()
+    assert [(r["system"], r["busy_processes"]) for r in runs] == [("plain", 0), ("plain", 1), ("here", 0),
+                                                                  ("here", 1)]
+    assert all(r["process_wall_seconds"] > r["summary"]["train_seconds"] > 0 for r in runs)
+    here = [r for r in runs if r["system"] == "here"]
+    assert [r["summary"]["seed"] for r in here] == [3, 3]
+    assert all(r["summary"]["test_acc"] > 0.5 for r in here)                        # learned (chance: 0.1)
+    assert all(r["summary"]["test_acc"] > 0.13 for r in runs if r["system"] == "plain")  # chance + 3 SE of 2,048
+    # speedrun's start line says how many threads it chose (one per core left idle by other work)
+    assert all(any(line.startswith("speedrun: threads ") for line in r["stdout_head"]) for r in here), here
+    systems = record["summary"]["systems"]
+    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == record["environment"]["commit"]
+    for row in systems.values():
+        assert len(row["alone"]["runs_s"]) == len(row["busy"]["runs_s"]) == 1
+        assert row["slowdown_busy_over_alone"] == row["busy"]["median_s"] / row["alone"]["median_s"] > 0
+    assert sorted(p.name for p in keep.iterdir()) == ["here-run0", "here-run0-busy1"]
+    assert (keep / "here-run0-busy1" / "model.pt").is_file()
+    # a kept folder that exists, or a --system that is no checkout, is refused before any run, writing nothing
+    for bad in (["--keep-runs", keep, "--system", f"here={ROOT}", "--busy", "1"], ["--system", f"old={tmp_path}"]):
+        again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist",
+                                "--out", tmp_path / "again.json", *map(str, bad)], capture_output=True, text=True)
+        assert again.returncode == 2 and ("--keep-runs" in again.stderr or "no src/speedrun" in again.stderr)
+        assert not (tmp_path / "again.json").exists()
 
 
 # ------------------------------------------------------------------------------------------
@@ -377,12 +396,60 @@ def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none
 
 
 # ------------------------------------------------------------------------------------------
-# imagenet_throughput.py and photo_throughput.py: model step against pipelines, tiny on the CPU
+# step_structure.py: what one training step costs, counted and timed on the CPU; the stop check
+# ------------------------------------------------------------------------------------------
+
+def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
+    out = tmp_path / "structure.json"
+    script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
+           "--backend", "aot_eager", "--timed-steps", 2, "--set", "model.widths=[16,32,32]",
+           "--set", "data.batch_size=64", "--out", out, timeout=900)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    rows = {(r["precision"], r["compiled"], "train.accumulate=2" in r["overrides"]): r for r in record["rows"]}
+    assert set(rows) == {("fp32", False, False), ("fp32", True, False), ("bf16", True, True)}
+    eager, compiled, micro = rows[("fp32", False, False)], rows[("fp32", True, False)], rows[("bf16", True, True)]
+    for row in (eager, compiled, micro):                # counted over 4 real steps: no sync, no graph break
+        assert row["steps_counted"] == 4 and row["host_syncs_per_step"] == 0 and row["graph_breaks"] == 0, row
+    assert eager["compiled_regions_per_step"] == 0 and eager["eager_ops_per_step"] > 100
+    assert 1 <= compiled["compiled_regions_per_step"] <= 3 and compiled["eager_ops_per_step"] <= 10
+    assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
+    assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
+    assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
+    # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
+    stop = tmp_path / "stop-check.json"
+    script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
+    record = json.loads(stop.read_text())
+    check_environment(record)
+    medians = record["median_us"]
+    assert set(medians) == {"one_process_us", "two_processes_gloo_us"} and record["calls_per_round"] == 50
+    assert all(len(record[k]) == 5 and min(record[k]) > 0 for k in medians)
+    assert medians["two_processes_gloo_us"] > medians["one_process_us"]
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_structure.py"), "--stop-check",
+                            "--out", str(stop)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already exists" in again.stderr and json.loads(stop.read_text()) == record
+
+
+# ------------------------------------------------------------------------------------------
+# throughput.py: the model step against its pipelines, and against whole runs, tiny on the CPU
 # ------------------------------------------------------------------------------------------
 
 TINY_RESNET50 = ["--device", "cpu", "--size", 32, "--batch", 8, "--steps", 2, "--repeats", 2, "--warm", 1,
                  "--profile-steps", 2, "--images-per-class", 4, "--classes", 2, "--workers", 1,
                  "--set", "model.width=8", "--set", "runtime.compile=off"]
+
+
+def results_page_of(record: Path, tmp_path: Path) -> str:
+    """docs/results.md as scripts/results_page.py renders a folder holding only ``record``."""
+    import importlib.util
+    import shutil
+    folder = tmp_path / "page"
+    folder.mkdir()
+    shutil.copy(record, folder / record.name)
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    return page.render(folder)
 
 
 def torchvision_importable() -> bool:
@@ -393,12 +460,13 @@ def torchvision_importable() -> bool:
     return True
 
 
-def test_imagenet_throughput_times_the_model_step_and_each_pipeline(tmp_path, capsys):
+def test_throughput_pipelines_times_the_model_step_and_each_pipeline(tmp_path, capsys):
     out = tmp_path / "rn50.json"
-    script("imagenet_throughput.py", *TINY_RESNET50, "--out", out)
+    script("throughput.py", "pipelines", *TINY_RESNET50, "--out", out)
     record = json.loads(out.read_text())
     check_environment(record)
     assert record["device"] == "cpu" and record["recipe"] == "imagenet-resnet50"
+    assert record["script"] == "benchmarks/throughput.py pipelines"
     assert (record["batch"], record["image_size"], record["recipe_config"]["model"]["width"]) == (8, 32, 8)
     assert record["photos"]["train_images"] == 8 and record["photos"]["mean_bytes"] > 1000
     step = record["model_step"]
@@ -421,6 +489,8 @@ def test_imagenet_throughput_times_the_model_step_and_each_pipeline(tmp_path, ca
     assert main(["scale", "--step-record", str(out), "--gpus", "1,8"]) == 0
     shown = capsys.readouterr().out
     assert f"{record['params']:,} parameters" in shown and "at 8 per step" in shown
+    page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)
+    assert "## Other records" not in page and "`rn50.json`" in page.split("## ResNet-50", 1)[1]
 
 
 TINY_PHOTOS = ["--device", "cpu", "--images-per-class", 6, "--val-per-class", 2, "--steps", 1, "--repeats", 2,
@@ -429,11 +499,14 @@ TINY_PHOTOS = ["--device", "cpu", "--images-per-class", 6, "--val-per-class", 2,
                "--set", "runtime.compile=off", "--set", "data.workers=0"]
 
 
-def test_photo_throughput_sets_each_training_process_against_its_model_step(tmp_path):
+def test_throughput_runs_sets_each_training_process_against_its_model_step(tmp_path):
     out = tmp_path / "photos.json"
-    script("photo_throughput.py", *TINY_PHOTOS, "--out", out)
+    script("throughput.py", "runs", *TINY_PHOTOS, "--out", out)
     record = json.loads(out.read_text())
     check_environment(record)
+    assert record["script"] == "benchmarks/throughput.py runs"
+    page = results_page_of(out, tmp_path)
+    assert "## Other records" not in page and "`photos.json`" in page.split("## Photo input pipelines", 1)[1]
     assert record["photos"]["train_images"] == 60 and record["photos"]["sizes_wxh"] == ["224x224"]
     assert [(r["recipe"], r["run"]) for r in record["runs"]] == [("imagenette", 0), ("folder", 0)]
     for row in record["runs"]:
@@ -454,30 +527,72 @@ def test_photo_throughput_sets_each_training_process_against_its_model_step(tmp_
         assert step["run_cache_reused"] and step["runtime"]["precision"] == row["summary"]["precision"]
 
 
-@pytest.mark.parametrize("name, args, says", [
-    ("imagenet_throughput.py", ["--batch", "0"], "--batch 0: must be 1 or more"),
-    ("imagenet_throughput.py", ["--set", "model.nope=1"], "unknown recipe field 'model.nope'"),
-    ("imagenet_throughput.py", ["--photo", "500"], "--photo '500': expected WIDTHxHEIGHT"),
-    ("imagenet_throughput.py", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    ("photo_throughput.py", ["--recipes", "imagenette,imagenete"], "did you mean 'imagenette'"),
-    ("photo_throughput.py", ["--runs", "0"], "--runs 0: must be 1 or more"),
+@pytest.mark.parametrize("mode, args, says", [
+    ("pipelines", ["--batch", "0"], "--batch 0: must be 1 or more"),
+    ("pipelines", ["--set", "model.nope=1"], "unknown recipe field 'model.nope'"),
+    ("pipelines", ["--photo", "500"], "--photo '500': expected WIDTHxHEIGHT"),
+    ("pipelines", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("runs", ["--recipes", "imagenette,imagenete"], "did you mean 'imagenette'"),
+    ("runs", ["--runs", "0"], "--runs 0: must be 1 or more"),
 ])
-def test_throughput_scripts_refuse_a_bad_argument_in_one_line_writing_nothing(tmp_path, name, args, says):
+def test_throughput_refuses_a_bad_argument_in_one_line_writing_nothing(tmp_path, mode, args, says):
     out = tmp_path / "record.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--device", "cpu", *args,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), mode, "--device", "cpu", *args,
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_throughput_scripts_never_overwrite_a_record(tmp_path):
+def test_throughput_never_overwrites_a_record(tmp_path):
     out = tmp_path / "record.json"
     out.write_text("{}")
-    for name in ("imagenet_throughput.py", "photo_throughput.py"):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), "--device", "cpu", "--out", str(out)],
+    for mode in ("pipelines", "runs"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), mode, "--device", "cpu",
+                               "--out", str(out)],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and "already exists" in proc.stderr and out.read_text() == "{}", proc.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# peers.py: the plain loop, Lightning and speedrun, each in its own process, tiny on the CPU
+# ------------------------------------------------------------------------------------------
+
+def test_peers_trains_each_peer_in_its_own_process_over_rounds_and_records_each(tmp_path, data_dir):
+    """Two rounds of the three peers on a 2,048-image slice (narrow widths, batch 256, 3 epochs:
+    24 steps): every peer's figures, each round's, the medians the results page reads; every
+    peer learned (chance is 10%: above it by three standard errors on the 1,000 test images)."""
+    out = tmp_path / "peers.json"
+    proc = script("peers.py", "--epochs", 3, "--rounds", 2, "--limit-train", 2048, "--limit-test", 1000,
+                  "--data-dir", data_dir, "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=256",
+                  "--set", "runtime.compile=off", "--out", out, timeout=900)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["smoke"] and record["order"] == ["plain", "lightning", "speedrun"] and "definitions" in record
+    assert [r["order"] for r in record["rounds"]] == [["plain", "lightning", "speedrun"],
+                                                      ["lightning", "speedrun", "plain"]]
+    chance = 0.1 + 3 * (0.1 * 0.9 / 1000) ** 0.5
+    for rnd in record["rounds"]:
+        assert set(rnd["peers"]) == {"plain", "lightning", "speedrun"} and set(rnd["ratios_to_speedrun"]) == {
+            "plain", "lightning"}
+        for name, p in rnd["peers"].items():
+            assert p["steps"] == 24 and p["images_trained"] == 24 * 256 and len(p["epoch_seconds"]) == 3, name
+            assert p["process_seconds"] > p["train_seconds"] > p["final_eval_seconds"] > 0, name
+            assert p["test_acc"] > chance, (name, p["test_acc"])          # learned
+    assert record["peers"] == record["rounds"][0]["peers"]
+    plain = record["peers"]["plain"]
+    assert plain["precision"] == record["precision"] and plain["algorithm"]["total_steps"] == 24
+    assert 0 < plain["seconds_before_training"] < plain["process_seconds"]
+    assert record["peers"]["speedrun"]["command"].split()[1:5] == ["-m", "speedrun", "train", "cifar10-94"]
+    medians = record["summary"]["medians"]
+    assert set(medians) == {"plain", "lightning", "speedrun"} and all(len(v) == 2 for v in
+                                                                        record["summary"]["runs"]["plain"].values())
+    assert medians["plain"]["seconds_per_epoch"] > 0 and record["summary"]["fastest_peer_per_epoch"] in (
+        "plain", "lightning")
+    assert record["flops"]["total_flops"] > 0 and record["flops"]["achieved_flops_per_s_by_peer"]["plain"] > 0
+    assert "peers: speedrun: test_acc" in proc.stdout
+    page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)
+    assert "## Other records" not in page and "`peers.json`" in page.split("## speedrun beside the plain loop", 1)[1]
 
 
 # same_weights.py: training from two trees, weights compared bit for bit
@@ -546,8 +661,7 @@ def test_busy_fraction_counts_each_kernel_once_and_only_inside_the_window():
     """The GPU-busy fraction of the throughput records, from kernel intervals (the part the CPU
     can check: on a CPU the intervals are this process's ops)."""
     import math
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from imagenet_throughput import busy_fraction, covered
+    from speedrun.profiling.busy import busy_fraction, covered
     assert covered([(0, 2), (1, 3), (5, 6)]) == 4            # (0, 3) and (5, 6)
     assert covered([(0, 10), (2, 3), (4, 5)]) == 10          # nested kernels on other streams
     assert covered([]) == 0

@@ -146,6 +146,28 @@ def test_results_page_reads_the_accuracy_sweeps_a_row_per_variant(tmp_path):
     assert "against stem20" in base20 and "91.71%" in base20
 
 
+def test_results_page_names_each_script_that_left_benchmarks_and_how_to_get_it_back(tmp_path):
+    import shutil
+    import subprocess
+    import pytest
+    shutil.copy(ROOT / "benchmarks" / "results" / "tta-views-scales-amd-epyc-26-2-e9a85e1.json", tmp_path / "tta.json")
+    (tmp_path / "one-off.json").write_text(
+        '{"what": "a one-off", "command": "gone_away.py --out x.json", "environment": {"git_commit": "abc1234def"}}')
+    (tmp_path / "kept.json").write_text('{"what": "another one-off", "command": "benchmarks/train_cli.py x"}')
+    page = _results_page().render(tmp_path)
+    gone = page.split("## Records whose script left the tree", 1)[1]
+    rows = {line.split(" | ")[0]: line for line in gone.splitlines() if line.startswith("| `")}
+    assert "`one-off.json` (abc1234)" in rows["| `gone_away.py`"]            # named by a record no kind reads
+    assert "`tta.json` (b1f09d7 (dirty))" in rows["| `tta_views.py`"]         # the script of the record's kind
+    assert not any("train_cli" in name or "kept.json" in line for name, line in rows.items())
+    command = re.search(r"`(git show [^`]*tta_views\.py)`", rows["| `tta_views.py`"]).group(1)
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("not a git checkout with its whole history: the command that gets the script back reads it")
+    got = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+    assert got.returncode == 0 and "def main" in got.stdout, got.stderr          # the script as it was when it left
+
+
 USER_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

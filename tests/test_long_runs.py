@@ -3,10 +3,13 @@ a run killed with -9 whose lock is left behind, and a data loader worker killed 
 (a decoded cache cut short or overwritten: tests/test_photos.py)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+
+import torch
 
 from speedrun.stop_signals import RESUMABLE_EXIT
 
@@ -102,7 +105,7 @@ def test_a_killed_data_loader_worker_ends_the_run_naming_the_folder_and_keeps_th
         proc = start("train", "folder", "--data", jpeg32, "--set", "data.cache=off", "--set", "data.workers=2",
                      "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=32", "--set", "train.epochs=4",
                      "--set", "eval.tta=none", "--set", "data.auto_choices=false", "--set", "data.image_size=32",
-                     "--log-every", "1", "--out", out, log=log)
+                     "--set", "eval.every=0", "--log-every", "1", "--out", out, log=log)     # (no test loader yet)
         t0 = time.monotonic()
         while "epoch 1/4 done" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() - t0 < 300, log_path.read_text()
@@ -115,3 +118,16 @@ def test_a_killed_data_loader_worker_ends_the_run_naming_the_folder_and_keeps_th
     assert proc.returncode == 1 and len(errors) == 1, text
     assert "data loader worker reading" in errors[0] and str(jpeg32) in errors[0] and "Traceback" not in text
     assert (out / "last_good.pt").exists()
+    # a checkpoint of the last finished step (the middle of the epoch where the worker died), from
+    # which the run continues to the end
+    said = re.search(r"A checkpoint after step (\d+) is in (\S+): once the cause is fixed, continue with "
+                     r"`speedrun train --resume (\S+)`", errors[0])
+    assert said and said.group(2) == str(out / "checkpoint.pt") and said.group(3) == str(out), text
+    step = int(said.group(1))
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state["step"] == step >= 16 and state["epoch"] >= 1        # (16 steps an epoch: after the first)
+    resumed = run("train", "--resume", out, "--data", jpeg32)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 64 and len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses      # it learned

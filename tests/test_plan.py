@@ -53,7 +53,7 @@ def test_every_command_and_benchmark_that_trains_plans_with_plan_run():
         assert not {"Session", "open_source", "fit_batch_to_device"} & _calls(path), f"{path.name} builds a run itself"
     users = [SRC / "train.py", SRC / "bench" / "runner.py", SRC / "bench" / "flops_command.py",
              SRC / "bench" / "ablate.py",
-             *(BENCH / f"{name}.py" for name in ("gpu_record", "imagenet_throughput", "photo_throughput"))]
+             *(BENCH / f"{name}.py" for name in ("gpu_record", "throughput"))]
     for path in users:
         calls = _calls(path)
         assert "plan_run" in calls, f"{path.name} does not plan with plan_run"

@@ -249,18 +249,40 @@ def test_sbatch_script_trains_with_two_srun_tasks(slurm, fashion_small, tmp_path
     assert log.count("test accuracy") == 1 and "2 (128 images each per step, 1 node)" in log, log
 
 
-def test_torchrun_sbatch_script_trains_with_two_processes(slurm, fashion_small, tmp_path):
+def test_torchrun_sbatch_script_trains_two_processes_and_a_signalled_job_requeues_itself(slurm, fashion_small,
+                                                                                         tmp_path):
     """scripts/speedrun-torchrun.sbatch: one srun task runs torchrun with 2 processes, which meet
-    at a c10d rendezvous named by the job id; without --out the run folder is named by it too."""
+    at a c10d rendezvous named by the job id; without --out the run folder is named by it too.
+    SIGUSR1 mid-epoch (the script's --signal line) reaches both processes through torchrun: they
+    stop after the same step, rank 0 checkpoints and requeues the job, and the job, started
+    again, continues the same folder to the end."""
     env = {"SPEEDRUN_PYTHON": sys.executable, "SPEEDRUN_NPROC_PER_NODE": "2", "SPEEDRUN_RDZV_PORT": str(free_port())}
-    job, rc, log = slurm.sbatch_wait([*CPU_JOB, "--gpus-per-node", "0", "--cpus-per-task", "2"],
-                                     REPO / "scripts" / "speedrun-torchrun.sbatch",
-                                     ["fashion-mnist", "--data-dir", fashion_small, *TINY], cwd=tmp_path, env=env)
-    assert rc == 0, f"job {job} failed ({rc}):\n{log}\n{slurm.logs()}"
-    s = read_summary(tmp_path / "runs" / f"fashion-mnist-{job}", log)
+    args = ["fashion-mnist", "--data-dir", fashion_small, "--device", "cpu", "--seed", "4", "--set", "data.dataset=npz",
+            "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=64", "--set", "eval.tta=none",
+            "--set", "train.epochs=3", "--log-every", "1"]          # 48 steps, 16 an epoch, 32 images a process
+    submitted = subprocess.run([program("sbatch"), "--parsable", "--output", str(tmp_path / "slurm-%j.out"), *CPU_JOB,
+                                "--gpus-per-node", "0", "--cpus-per-task", "2",
+                                str(REPO / "scripts" / "speedrun-torchrun.sbatch"), *map(str, args)],
+                               capture_output=True, text=True, cwd=tmp_path, env={**slurm.env, **env}, timeout=60)
+    job = submitted.stdout.strip().split(";")[0]
+    assert submitted.returncode == 0 and job, submitted.stderr
+    log, run = tmp_path / f"slurm-{job}.out", tmp_path / "runs" / f"fashion-mnist-{job}"
+    text = lambda: log.read_text(errors="replace") if log.is_file() else ""
+    deadline = time.monotonic() + 240
+    while not re.search(r"step ([3-9]|[1-3]\d)/48", text()):
+        assert time.monotonic() < deadline and "test accuracy" not in text(), f"{text()}\n{slurm.logs()}"
+        time.sleep(0.1)
+    subprocess.run([program("scancel"), "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
+    while not (run / "summary.json").exists() or any(line.split()[0] == job for line in slurm.jobs()):
+        assert time.monotonic() < deadline + 180, f"job {job} did not finish:\n{text()}\n{slurm.logs()}"
+        time.sleep(0.5)
+    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+) of 48; .*SLURM job {job} requeued", text())
+    assert stopped and text().count("speedrun: stopped by") == 1, f"{text()}\n{slurm.logs()}"     # rank 0 says it
+    s = read_summary(run, text())
     assert (s["launcher"], s["world_size"], s["nodes"], s["processes_per_node"]) == ("torchrun", 2, 1, 2), s
-    assert (s["per_rank_batch"], s["batch_size"], s["steps"], s["backend"]) == (128, 256, 4, "gloo"), s
-    assert log.count("test accuracy") == 1 and "2 (128 images each per step, 1 node)" in log, log
+    assert (s["per_rank_batch"], s["batch_size"], s["backend"]) == (32, 64, "gloo"), s
+    assert s["resumed_from_step"] == int(stopped.group(1)) < 48 and s["steps"] == 48, s
+    assert text().count("test accuracy") == 1 and "2 (32 images each per step, 1 node)" in text(), text()
 
 
 def test_a_job_signalled_before_its_time_limit_requeues_itself_and_ends_with_the_uninterrupted_weights(

@@ -96,7 +96,7 @@ def _scale_options(p) -> None:
     speed.add_argument("--step-time", type=float, metavar="S", help="one GPU's seconds per step at --batch-per-gpu "
                        "(strong scaling without it: at the whole --global-batch)")
     speed.add_argument("--step-record", metavar="FILE", help="one GPU's speed, batch and parameters as measured by "
-                       "benchmarks/imagenet_throughput.py (its record's model step alone)")
+                       "benchmarks/throughput.py pipelines (its record's model step alone)")
     p.add_argument("--batch-per-gpu", type=int, metavar="B", help="images per GPU per step (default: the recipe's)")
     p.add_argument("--global-batch", type=int, metavar="N", help="strong scaling: split this batch over the GPUs "
                    "(default: weak scaling, --batch-per-gpu on every GPU)")

@@ -195,6 +195,11 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
             "Lower optim.lr, or check the data, then run again.") from None
     except DataFailure as err:
         path = record.save_weights(err.last_good, "last_good.pt")
+        if err.checkpoint is not None:
+            raise TrainingStopped(f"{err.error} A checkpoint after step {err.step} is in {err.checkpoint}: once the "
+                                  f"cause is fixed, continue with `speedrun train --resume {err.checkpoint.parent}` "
+                                  f"(the weights after step {err.last_good_step}, the last checked, are in {path})"
+                                  ) from None
         raise TrainingStopped(f"{err.error} The weights after step {err.last_good_step} are kept in {path}.") from None
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if is_out_of_memory(err):
@@ -234,6 +239,9 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
     if summary["skipped_images"]:
         files = {e["path"]: e["reason"] for e in summary["skipped_files"]}
         say(skipped_line(files, summary["skipped_images"], record.folder / "summary.json"))
+    if stop.name is not None:
+        say(f"{stop.name} arrived after the last training step: the run finished its final evaluation and "
+            f"its record in {record.folder} is complete (nothing to resume)")
     return 0
 
 

@@ -66,7 +66,7 @@ def recipe_model_params(name: str, classes: int | None) -> tuple[int, str, int |
 
 
 def read_step_record(path: str) -> dict:
-    """One GPU's measured speed from a throughput record (``benchmarks/imagenet_throughput.py``
+    """One GPU's measured speed from a throughput record (``benchmarks/throughput.py pipelines``
     writes one): its ``scale_input``, the model step's images/s alone at its batch per GPU and
     the model's parameters, with the recipe, device and precision they were measured with."""
     import json
@@ -81,7 +81,7 @@ def read_step_record(path: str) -> dict:
     batch = got.get("batch_per_gpu") if isinstance(got, dict) else None
     if not (isinstance(rate, (int, float)) and rate > 0 and isinstance(batch, int) and batch > 0):
         raise UsageError(f"--step-record {path}: holds no scale_input with images_per_second and batch_per_gpu; "
-                         "give a record written by benchmarks/imagenet_throughput.py")
+                         "give a record written by benchmarks/throughput.py pipelines")
     return {**got, "path": str(path)}
 
 
@@ -134,7 +134,7 @@ def workload_from(args, params: int, recipe_batch: int | None, measured: dict | 
     else:
         raise UsageError("give one GPU's speed: --images-per-second X, or --step-time S (seconds per step at "
                          "--batch-per-gpu; `speedrun flops RECIPE --json F` measures model_seconds_per_step), or "
-                         "--step-record FILE (a record of benchmarks/imagenet_throughput.py)")
+                         "--step-record FILE (a record of benchmarks/throughput.py pipelines)")
     return Workload(gradient_bytes=params * COMM_BYTES[args.comm_dtype], images_per_second=rate,
                     batch_per_gpu=batch, global_batch=args.global_batch, overlap=args.overlap,
                     overhead_s=args.overhead_ms / 1e3).validate()

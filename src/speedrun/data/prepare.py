@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -149,12 +149,7 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
     workers = default_workers(workers)
     # the decoded arrays, written twice (a scratch copy and the .npz)
     check_output_file(out, need_bytes=2 * (len(train) + len(val)) * channels * size * size + (1 << 20))
-    created = _make_parent(out)
-    try:
-        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    except OSError as err:
-        raise disk_error(out, err) from None
-    try:
+    with _staged(out) as scratch:
         x_train, keep_train, skipped_train = _decode_split(train, channels, size, workers, skip_corrupt, scratch,
                                                            "train", decoder, device)
         x_val, keep_val, skipped_val = _decode_split(val, channels, size, workers, skip_corrupt, scratch, "val",
@@ -168,15 +163,29 @@ def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0
             _write_member(zf, "classes", np.asarray(train.classes))
         del x_train, x_val
         os.replace(tmp, out)
+    return {"out": str(out), "train": int(keep_train.sum()), "test": int(keep_val.sum()),
+            "skipped": int((~keep_train).sum() + (~keep_val).sum()), "classes": len(train.classes),
+            "size": size, "channels": channels, "skipped_files": {**skipped_train, **skipped_val}}
+
+
+@contextmanager
+def _staged(out: Path):
+    """A scratch folder beside ``out`` (its missing parents made) in which the block builds what
+    it then moves onto ``out``: removed afterwards, with the parents made for it where ``out``
+    was not written; a disk that fails is named in one line (:func:`disk_error`)."""
+    created = _make_parent(out)
+    try:
+        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    except OSError as err:
+        raise disk_error(out, err) from None
+    try:
+        yield scratch
     except OSError as err:
         raise disk_error(out, err) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if created and not out.exists():
             _remove_empty(out.parent, created)
-    return {"out": str(out), "train": int(keep_train.sum()), "test": int(keep_val.sum()),
-            "skipped": int((~keep_train).sum() + (~keep_val).sum()), "classes": len(train.classes),
-            "size": size, "channels": channels, "skipped_files": {**skipped_train, **skipped_val}}
 
 
 def _make_parent(out: Path) -> list[Path]:
@@ -260,12 +269,7 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
     n_images = min(len(ds.train_y), limit or len(ds.train_y)) + min(len(ds.test_y), limit or len(ds.test_y))
     pixels = (size * size * ds.in_channels) if size else ds.train_x[0].numel()
     check_output_folder(out, need_bytes=n_images * pixels * 2 + (1 << 20))
-    created = _make_parent(out)
-    try:
-        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    except OSError as err:
-        raise disk_error(out, err) from None
-    try:
+    with _staged(out) as staging:
         jobs, annotations = _export_jobs(staging, ds, layout, ext, limit, size or ds.image_size[0])
         for folder in sorted({path.parent for path, _ in jobs}):      # only folders with images
             folder.mkdir(parents=True, exist_ok=True)
@@ -280,12 +284,6 @@ def export(name: str, fmt: str, out: str | Path, data_dir=None, quality: int = 9
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
-    except OSError as err:
-        raise disk_error(out, err) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created and not out.exists():
-            _remove_empty(out.parent, created)
     n = lambda total: min(total, limit or total)
     return {"out": str(out), "train": n(len(ds.train_y)), "val": n(len(ds.test_y)), "classes": ds.classes,
             "format": fmt, "size": size or ds.image_size[0], "layout": layout}

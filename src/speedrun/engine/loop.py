@@ -42,10 +42,13 @@ from .warmup import warm_up as run_warm_up
 
 
 class DataFailure(RuntimeError):
-    """A data error in the middle of a run; carries the last good weights."""
+    """A data error in the middle of a run; carries the last good weights and, where one was
+    written, the checkpoint of the last finished step (``checkpoint``, after ``step`` steps)."""
 
-    def __init__(self, error: Exception, last_good: dict, last_good_step: int):
+    def __init__(self, error: Exception, last_good: dict, last_good_step: int, checkpoint: Path | None = None,
+                 step: int = 0):
         self.error, self.last_good, self.last_good_step = error, last_good, last_good_step
+        self.checkpoint, self.step = checkpoint, step
         super().__init__(str(error))
 
 
@@ -174,6 +177,7 @@ class Session:
         self.compile_cache = {k: v - before[k] for k, v in cache_counts().items()}
         self._reset_for: int | None = None
         self._stop = None                             # (StopSignals, StopAgreement) while a run listens
+        self._in_epoch: int | None = None             # batches of the running epoch behind the steps done
 
     def reset(self, seed: int) -> None:
         """Re-initialise the model from ``seed`` (construction, then a copy onto the device)."""
@@ -270,7 +274,8 @@ class Session:
         except DataError as err:
             if step.steps_done == 0:
                 raise
-            raise DataFailure(err, last_good.state, last_good.step) from None
+            path = self._checkpoint_after_failure(checkpoint_dir, seed, st, clock)
+            raise DataFailure(err, last_good.state, last_good.step, path, step.steps_done) from None
         acc, acc_plain = c_tta / n_test, c_plain / n_test
         train_seconds = clock.seconds()
         final_eval_seconds = train_seconds - eval_start
@@ -326,6 +331,7 @@ class Session:
         first = step.steps_done - skip
         size = epoch_image_side(r, st.epoch, data.image_size[0])
         in_step = resized_in_step(r)                  # the step shrinks the full-size batch itself
+        self._in_epoch = skip
         batches = data.epoch(st.epoch, r.data.batch_size, st.augment, st.gen, size=None if in_step else size,
                              skip=skip)
         for i, (x, y) in enumerate(batches, start=skip):
@@ -334,7 +340,7 @@ class Session:
             rt.mark_step()
             step(x, y, size if in_step else None)         # (counts the step: step.steps_done)
             progress.step()
-            done = step.steps_done
+            done, self._in_epoch = step.steps_done, i + 1
             if every and done % every == 0 and done < self.total_steps and (checkpoint_dir or self.world.distributed):
                 with clock.pause("bookkeeping"):
                     ranks = self._rank_states()                 # (every rank takes part)
@@ -342,7 +348,18 @@ class Session:
                         ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock, ranks)
             if self._stop is not None and done < self.total_steps:
                 self._stop_if_signalled(checkpoint_dir, seed, st, i + 1, clock)
+        self._in_epoch = None                         # (the epoch is over: no mid-epoch position)
         return first
+
+    def _checkpoint_after_failure(self, checkpoint_dir, seed: int, st: RunState, clock: Clock) -> Path | None:
+        """After the data failed in the middle of an epoch (a worker killed by the system, an
+        unreadable file), a checkpoint of the last finished step, which ``--resume`` continues
+        bit for bit once the cause is fixed; None where there is none to write (the failure came
+        between epochs or in the evaluation, or in a run of several processes, whose other ranks
+        cannot be asked for their part any more)."""
+        if checkpoint_dir is None or self.world.distributed or self._in_epoch is None:
+            return None
+        return ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, self._in_epoch, clock)
 
     def _rank_states(self) -> list[dict] | None:
         """Each process's own part of a checkpoint (:func:`~speedrun.engine.checkpoint.rank_state`),
