@@ -558,37 +558,28 @@ def test_throughput_never_overwrites_a_record(tmp_path):
 # peers.py: the plain loop, Lightning and speedrun, each in its own process, tiny on the CPU
 # ------------------------------------------------------------------------------------------
 
-def test_peers_trains_each_peer_in_its_own_process_over_rounds_and_records_each(tmp_path, data_dir):
-    """Two rounds of the three peers on a 2,048-image slice (narrow widths, batch 256, 3 epochs:
-    24 steps): every peer's figures, each round's, the medians the results page reads; every
-    peer learned (chance is 10%: above it by three standard errors on the 1,000 test images)."""
+def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, data_dir):
+    """One round of the three peers on a 2,048-image slice (narrow widths, batch 256, 3 epochs:
+    24 steps): every peer's figures, the medians the results page reads; every peer learned
+    (chance is 10%: above it by three standard errors on the 1,000 test images)."""
     out = tmp_path / "peers.json"
-    proc = script("peers.py", "--epochs", 3, "--rounds", 2, "--limit-train", 2048, "--limit-test", 1000,
+    proc = script("peers.py", "--epochs", 3, "--rounds", 1, "--limit-train", 2048, "--limit-test", 1000,
                   "--data-dir", data_dir, "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=256",
                   "--set", "runtime.compile=off", "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
     assert record["smoke"] and record["order"] == ["plain", "lightning", "speedrun"] and "definitions" in record
-    assert [r["order"] for r in record["rounds"]] == [["plain", "lightning", "speedrun"],
-                                                      ["lightning", "speedrun", "plain"]]
     chance = 0.1 + 3 * (0.1 * 0.9 / 1000) ** 0.5
-    for rnd in record["rounds"]:
-        assert set(rnd["peers"]) == {"plain", "lightning", "speedrun"} and set(rnd["ratios_to_speedrun"]) == {
-            "plain", "lightning"}
-        for name, p in rnd["peers"].items():
-            assert p["steps"] == 24 and p["images_trained"] == 24 * 256 and len(p["epoch_seconds"]) == 3, name
-            assert p["process_seconds"] > p["train_seconds"] > p["final_eval_seconds"] > 0, name
-            assert p["test_acc"] > chance, (name, p["test_acc"])          # learned
-    assert record["peers"] == record["rounds"][0]["peers"]
+    assert set(record["peers"]) == {"plain", "lightning", "speedrun"} and set(record["ratios_to_speedrun"]) == {
+        "plain", "lightning"} and "rounds" not in record                  # (several rounds: each kept, medians)
+    for name, p in record["peers"].items():
+        assert p["steps"] == 24 and p["images_trained"] == 24 * 256 and len(p["epoch_seconds"]) == 3, name
+        assert p["process_seconds"] > p["train_seconds"] > p["final_eval_seconds"] > 0, name
+        assert p["test_acc"] > chance, (name, p["test_acc"])          # learned
     plain = record["peers"]["plain"]
     assert plain["precision"] == record["precision"] and plain["algorithm"]["total_steps"] == 24
     assert 0 < plain["seconds_before_training"] < plain["process_seconds"]
     assert record["peers"]["speedrun"]["command"].split()[1:5] == ["-m", "speedrun", "train", "cifar10-94"]
-    medians = record["summary"]["medians"]
-    assert set(medians) == {"plain", "lightning", "speedrun"} and all(len(v) == 2 for v in
-                                                                        record["summary"]["runs"]["plain"].values())
-    assert medians["plain"]["seconds_per_epoch"] > 0 and record["summary"]["fastest_peer_per_epoch"] in (
-        "plain", "lightning")
     assert record["flops"]["total_flops"] > 0 and record["flops"]["achieved_flops_per_s_by_peer"]["plain"] > 0
     assert "peers: speedrun: test_acc" in proc.stdout
     page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)

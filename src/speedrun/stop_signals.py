@@ -60,7 +60,10 @@ class StopSignals:
             yield self
         finally:
             for s, handler in previous.items():
-                signal.signal(s, handler)
+                # after a stop's checkpoint the process is on its way out with RESUMABLE_EXIT: a
+                # launcher that saw another rank exit first (torchrun sends SIGTERM to the rest)
+                # must not turn this rank's exit into a death by signal
+                signal.signal(s, signal.SIG_IGN if self.saving and s != signal.SIGINT else handler)
 
 
 def ignore_in_worker(worker_id: int = 0) -> None:
