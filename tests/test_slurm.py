@@ -249,6 +249,32 @@ def test_sbatch_script_trains_with_two_srun_tasks(slurm, fashion_small, tmp_path
     assert log.count("test accuracy") == 1 and "2 (128 images each per step, 1 node)" in log, log
 
 
+def submit_signal_and_wait(slurm, tmp_path, script: str, sbatch: list, args: list, run: Path | None, env: dict):
+    """Submit ``script`` with ``args`` (48 steps, a progress line each), send the job SIGUSR1 once it
+    is past step 3 (`scancel --signal=USR1`, as its --signal line has SLURM do ahead of the time
+    limit), wait until the requeued job has finished ``run`` (None: the folder named by the job
+    id); (job id, the log's text, the step the stop line names)."""
+    submitted = subprocess.run([program("sbatch"), "--parsable", "--output", str(tmp_path / "slurm-%j.out"), *CPU_JOB,
+                                *sbatch, str(REPO / "scripts" / script), *map(str, args)], capture_output=True,
+                               text=True, cwd=tmp_path, env={**slurm.env, **env}, timeout=60)
+    job = submitted.stdout.strip().split(";")[0]
+    assert submitted.returncode == 0 and job, submitted.stderr
+    log = tmp_path / f"slurm-{job}.out"
+    text = lambda: log.read_text(errors="replace") if log.is_file() else ""
+    deadline = time.monotonic() + 240
+    while not re.search(r"step ([3-9]|[1-3]\d)/48", text()):
+        assert time.monotonic() < deadline and "test accuracy" not in text(), f"{text()}\n{slurm.logs()}"
+        time.sleep(0.1)
+    subprocess.run([program("scancel"), "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
+    run = run or tmp_path / "runs" / f"fashion-mnist-{job}"
+    while not (run / "summary.json").exists() or any(line.split()[0] == job for line in slurm.jobs()):
+        assert time.monotonic() < deadline + 180, f"job {job} did not finish:\n{text()}\n{slurm.logs()}"
+        time.sleep(0.5)
+    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+) of 48; .*SLURM job {job} requeued", text())
+    assert stopped and text().count("speedrun: stopped by") == 1, f"{text()}\n{slurm.logs()}"     # rank 0 says it
+    return job, text(), int(stopped.group(1))
+
+
 def test_torchrun_sbatch_script_trains_two_processes_and_a_signalled_job_requeues_itself(slurm, fashion_small,
                                                                                          tmp_path):
     """scripts/speedrun-torchrun.sbatch: one srun task runs torchrun with 2 processes, which meet
@@ -260,29 +286,14 @@ def test_torchrun_sbatch_script_trains_two_processes_and_a_signalled_job_requeue
     args = ["fashion-mnist", "--data-dir", fashion_small, "--device", "cpu", "--seed", "4", "--set", "data.dataset=npz",
             "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=64", "--set", "eval.tta=none",
             "--set", "train.epochs=3", "--log-every", "1"]          # 48 steps, 16 an epoch, 32 images a process
-    submitted = subprocess.run([program("sbatch"), "--parsable", "--output", str(tmp_path / "slurm-%j.out"), *CPU_JOB,
-                                "--gpus-per-node", "0", "--cpus-per-task", "2",
-                                str(REPO / "scripts" / "speedrun-torchrun.sbatch"), *map(str, args)],
-                               capture_output=True, text=True, cwd=tmp_path, env={**slurm.env, **env}, timeout=60)
-    job = submitted.stdout.strip().split(";")[0]
-    assert submitted.returncode == 0 and job, submitted.stderr
-    log, run = tmp_path / f"slurm-{job}.out", tmp_path / "runs" / f"fashion-mnist-{job}"
-    text = lambda: log.read_text(errors="replace") if log.is_file() else ""
-    deadline = time.monotonic() + 240
-    while not re.search(r"step ([3-9]|[1-3]\d)/48", text()):
-        assert time.monotonic() < deadline and "test accuracy" not in text(), f"{text()}\n{slurm.logs()}"
-        time.sleep(0.1)
-    subprocess.run([program("scancel"), "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
-    while not (run / "summary.json").exists() or any(line.split()[0] == job for line in slurm.jobs()):
-        assert time.monotonic() < deadline + 180, f"job {job} did not finish:\n{text()}\n{slurm.logs()}"
-        time.sleep(0.5)
-    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+) of 48; .*SLURM job {job} requeued", text())
-    assert stopped and text().count("speedrun: stopped by") == 1, f"{text()}\n{slurm.logs()}"     # rank 0 says it
-    s = read_summary(run, text())
+    job, text, step = submit_signal_and_wait(slurm, tmp_path, "speedrun-torchrun.sbatch",
+                                             ["--gpus-per-node", "0", "--cpus-per-task", "2"], args, None, env)
+    run = tmp_path / "runs" / f"fashion-mnist-{job}"
+    s = read_summary(run, text)
     assert (s["launcher"], s["world_size"], s["nodes"], s["processes_per_node"]) == ("torchrun", 2, 1, 2), s
     assert (s["per_rank_batch"], s["batch_size"], s["backend"]) == (32, 64, "gloo"), s
-    assert s["resumed_from_step"] == int(stopped.group(1)) < 48 and s["steps"] == 48, s
-    assert text().count("test accuracy") == 1 and "2 (32 images each per step, 1 node)" in text(), text()
+    assert s["resumed_from_step"] == step < 48 and s["steps"] == 48, s
+    assert text.count("test accuracy") == 1 and "2 (32 images each per step, 1 node)" in text, text
 
 
 def test_a_job_signalled_before_its_time_limit_requeues_itself_and_ends_with_the_uninterrupted_weights(
@@ -299,26 +310,11 @@ def test_a_job_signalled_before_its_time_limit_requeues_itself_and_ends_with_the
                              env={**foreign_launcher_free(os.environ), "OMP_NUM_THREADS": "1"})   # as the job's task
     run = tmp_path / "run"
     cpu = ["--ntasks-per-node", "1", "--cpus-per-task", "1", "--gpus-per-task", "0"]
-    submitted = subprocess.run([program("sbatch"), "--parsable", "--output", str(tmp_path / "slurm-%j.out"), *CPU_JOB,
-                                *cpu, str(REPO / "scripts" / "speedrun.sbatch"), *map(str, args), "--log-every", "1",
-                                "--out", str(run)], capture_output=True, text=True, cwd=tmp_path,
-                               env={**slurm.env, "SPEEDRUN_PYTHON": sys.executable}, timeout=60)
-    job = submitted.stdout.strip().split(";")[0]
-    assert submitted.returncode == 0 and job, submitted.stderr
-    log = tmp_path / f"slurm-{job}.out"
-    text = lambda: log.read_text(errors="replace") if log.is_file() else ""
-    deadline = time.monotonic() + 240
-    while not re.search(r"step ([3-9]|[1-3]\d)/48", text()):
-        assert time.monotonic() < deadline and "test accuracy" not in text(), f"{text()}\n{slurm.logs()}"
-        time.sleep(0.1)
-    subprocess.run([program("scancel"), "--signal=USR1", job], env=slurm.env, check=True, timeout=30)
-    while not (run / "summary.json").exists() or any(line.split()[0] == job for line in slurm.jobs()):
-        assert time.monotonic() < deadline + 120, f"job {job} did not finish:\n{text()}\n{slurm.logs()}"
-        time.sleep(0.5)
-    stopped = re.search(rf"stopped by SIGUSR1 after step (\d+) of 48; .*SLURM job {job} requeued", text())
-    assert stopped, f"{text()}\n{slurm.logs()}"
-    s = read_summary(run, text())
-    assert s["resumed_from_step"] == int(stopped.group(1)) and s["steps"] == 48, s
+    job, text, step = submit_signal_and_wait(slurm, tmp_path, "speedrun.sbatch", cpu,
+                                             [*args, "--log-every", "1", "--out", run], run,
+                                             {"SPEEDRUN_PYTHON": sys.executable})
+    s = read_summary(run, text)
+    assert s["resumed_from_step"] == step and s["steps"] == 48, s
     assert whole.wait(timeout=300) == 0, whole.stderr.read()
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(run / "model.pt", weights_only=True)
