@@ -214,6 +214,12 @@ def flop_figures(peers: dict) -> dict:
             "peak_recheck_flops_per_s_by_size": recheck}
 
 
+def round_order(peers: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``peers`` rotated left by r, so each peer runs first, then later."""
+    k = r % len(peers)
+    return peers[k:] + peers[:k]
+
+
 def round_summary(rounds: list[dict], epochs: float) -> dict:
     """Per peer the medians over rounds (seconds per epoch without the final evaluation, and more);
     whether speedrun's per epoch and for its final evaluation are at most the fastest other peer's."""
@@ -283,8 +289,8 @@ def main(argv=None) -> int:
             np.savez(data_arg, x_train=d.train_x.numpy(), y_train=d.train_y.numpy(), x_test=d.test_x.numpy(),
                      y_test=d.test_y.numpy(), classes=np.array([str(i) for i in range(10)]))
         for r in range(args.rounds):
-            tag, k = f"-{r + 1}" if r else "", r % len(peers)
-            done = {"order": peers[k:] + peers[:k], "peers": {}}
+            tag = f"-{r + 1}" if r else ""
+            done = {"order": round_order(peers, r), "peers": {}}
             if args.rounds > 1:
                 record.setdefault("rounds", []).append(done)
             for name in done["order"]:

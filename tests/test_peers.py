@@ -9,6 +9,7 @@ Narrow nets (the algorithm does not depend on the widths), batch 256, 2,048 trai
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ from speedrun.engine.evaluate import tta_logits as speedrun_tta_logits  # noqa: 
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.runtime import Runtime  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+"""The kept records, among them the peers' of several rounds."""
 
 CPU = torch.device("cpu")
 NARROW = ["model.widths=[16,32,32]", "data.batch_size=256"]
@@ -193,3 +197,19 @@ def test_the_peers_learn_end_to_end(cifar_slice):
         assert r["test_acc"] > chance and r["test_acc_no_tta"] > chance, (name, r["test_acc"], chance)
         assert 0 < r["final_eval_seconds"] < r["train_seconds"]
     assert results["lightning"]["test_acc"] == pytest.approx(results["plain"]["test_acc"], abs=0.005)
+
+
+def test_the_rounds_rotate_and_their_summary_is_the_medians_the_kept_records_hold():
+    """Every kept record of several rounds: each round's order is the first rotated, and the
+    medians and comparisons ``round_summary`` computes from its rounds are the record's own."""
+    records = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("peers-*-rounds-*.json"))]
+    assert len(records) >= 4
+    for record in records:
+        rounds = record["rounds"]
+        assert [r["order"] for r in rounds] == [peers.round_order(rounds[0]["order"], i) for i in range(len(rounds))]
+        again, kept = peers.round_summary(rounds, record["epochs"]), record["summary"]
+        assert again["runs"] == kept["runs"]
+        for name, medians in kept["medians"].items():
+            assert again["medians"][name] == pytest.approx(medians)
+        for key in ("fastest_peer_per_epoch", "fastest_peer_final_eval"):
+            assert again[key] == kept[key]
