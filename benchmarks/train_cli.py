@@ -150,7 +150,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--keep-runs", type=Path,
                    help="copy each run's folder (config, metrics, summary, weights) to KEEP_RUNS/run<i> (with "
-                        "--system or --busy: SYSTEM-run<i>[-busyK]) after its process ended (outside the timed region)")
+                        "--system or --busy: SYSTEM-run<i>[-busyK]) after its process ended (outside the timed "
+                        "region)")
     p.add_argument("--cold-cache", action="store_true",
                    help="each run with an empty decoded-folder cache and an empty compile cache (the "
                         "decoding and any compiling are in the timed process)")
@@ -158,7 +159,8 @@ def main() -> int:
                    help="time each run alone and again beside this many processes that keep a core busy")
     p.add_argument("--system", action="append", default=[],
                    help="plain, or NAME=SRC: speedrun from the checkout SRC (repeatable; default: this checkout)")
-    p.add_argument("--plain-images", type=int, help="the plain loop trains and tests on the first N images of each split (all)")
+    p.add_argument("--plain-images", type=int,
+                   help="the plain loop trains and tests on the first N images of each split (all)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)     # after --: more arguments for speedrun train
     args = p.parse_args(argv[:cut])
@@ -170,12 +172,13 @@ def main() -> int:
     for name, src in systems:
         if src is not None and not (src / "src" / "speedrun").is_dir():
             p.error(f"--system {name}: {src} has no src/speedrun; give a speedrun checkout")
-    plain_only = len(systems) == 1 and not args.busy           # (kept as run<i>; else SYSTEM-run<i>[-busyK])
+    loads = [0, args.busy] if args.busy else [0]               # busy processes beside each run
+    one_alone = len(systems) == 1 and not args.busy            # (kept as run<i>; else SYSTEM-run<i>[-busyK])
 
     def kept_name(name: str, i: int, busy: int) -> str:
-        return f"run{i}" if plain_only else f"{name}-run{i}" + (f"-busy{busy}" if busy else "")
+        return f"run{i}" if one_alone else f"{name}-run{i}" + (f"-busy{busy}" if busy else "")
     kept = [args.keep_runs / kept_name(name, i, busy) for i in range(args.runs) for name, _ in systems
-            for busy in ([0, args.busy] if args.busy else [0]) if name != "plain"] if args.keep_runs else []
+            for busy in loads if name != "plain"] if args.keep_runs else []
     taken = [k for k in kept if k.exists()]
     if taken:                                        # refused before any run, not after the first
         p.error(f"--keep-runs: {taken[0]} exists; give an empty or new folder")
@@ -184,7 +187,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             for name, src in systems:
-                for busy in ([0, args.busy] if args.busy else [0]):
+                for busy in loads:
                     folder = Path(tmp) / f"{name}-run{i}-busy{busy}"
                     env = dict(os.environ)
                     if name == "plain":
@@ -222,7 +225,7 @@ def main() -> int:
         summary["systems"] = {}
         for name, _ in systems:
             row = {"commit": commits[name]}
-            for busy in ([0, args.busy] if args.busy else [0]):
+            for busy in loads:
                 mine = [r["process_wall_seconds"] for r in runs if r["system"] == name and r["busy_processes"] == busy]
                 row["busy" if busy else "alone"] = {"median_s": statistics.median(mine), "runs_s": mine}
             if args.busy:

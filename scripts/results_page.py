@@ -352,9 +352,9 @@ SECTIONS = [  # (title, what its records measured, [(table id, title, headers)])
         "pipeline images/s", "model step images/s", "pipeline ÷ model step", "bound by"]),
       ("photo_runs", "Whole processes", RUNS), ("photo_summary", "Single runs kept whole (run folders)", SUMMARY)]),
     ("ResNet-50 training throughput",
-     "`benchmarks/throughput.py pipelines` (earlier `imagenet_throughput.py`): one device's training step of the recipe alone on a device-resident "
-     "random batch, then fed by speedrun's pipelines from a synthetic ImageNet-like JPEG folder; images/s are "
-     "medians of the timed blocks; a pipeline is model-bound at 90% of the model step's images/s or more.",
+     "`benchmarks/throughput.py pipelines` (earlier `imagenet_throughput.py`): one device's training step of the "
+     "recipe alone on a device-resident random batch, then fed by speedrun's pipelines from a synthetic "
+     "ImageNet-like JPEG folder; images/s are medians of the timed blocks; a pipeline is model-bound at 90% of the model step's images/s or more.",
      [("resnet50", "Model step and pipelines", ["record", "recipe", *WHERE, "batch × px", "model step, images/s",
                                                 "pipelines: images/s (÷ model step, bound by)", "compile, s"])]),
     ("A against B: alternating or paired runs",
