@@ -92,8 +92,8 @@ def killed_at_first_checkpoint(args: list, run) -> dict:
     ("fp32", ["augment.translate=2", "augment.low_res=crop", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"])],
     ids=["fp32", "bf16", "fp32-low-res-windows"])
 def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_small, tmp_path, precision, extra):
-    # (bf16 on a narrower net for half as long: on CPUs without native bf16 it is emulated, ~50x slower)
-    size = ["train.epochs=4", "model.widths=[32,64,64]"] if precision == "fp32" else ["train.epochs=2",
+    # (bf16 on a narrower net for one epoch: on CPUs without native bf16 it is emulated, ~50x slower)
+    size = ["train.epochs=2", "model.widths=[32,64,64]"] if precision == "fp32" else ["train.epochs=1",
                                                                                      "model.widths=[8,16,16]"]
     size += extra
     args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--seed", "4", *TINY,
@@ -103,7 +103,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_sm
     speedrun(*args, "--out", tmp_path / "whole")
     run = tmp_path / "cut"
     state_step = killed_at_first_checkpoint(args, run)["step"]
-    assert state_step % 7 == 0 and state_step < (128 if precision == "fp32" else 64)
+    assert state_step % 7 == 0 and state_step < (64 if precision == "fp32" else 32)
     out = speedrun("train", "--resume", run, "--data-dir", fashion_small)
     assert re.search(rf"resumed from step\s*│\s*{state_step}\s*│", out.stdout), out.stdout
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)

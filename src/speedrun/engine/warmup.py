@@ -23,8 +23,11 @@ from .build import snapshot
 from .evaluate import evaluate
 from .sizes import resized_in_step
 
-TRAIN_CALLS = 3
-"""Training steps per image size (CUDA graphs record on the second or third call)."""
+def train_calls(runtime) -> int:
+    """Training steps per image size: with CUDA graphs three (they record on the second or
+    third call); otherwise two, a plain step and one that averages the weights, which is
+    every path a run's step takes."""
+    return 3 if runtime.cuda_graphs else 2
 
 
 def eval_batch_sizes(n_test: int, batch: int, shard: Shard = Shard()) -> list[int]:
@@ -66,9 +69,10 @@ def warm_up(session) -> float:
             x = resize(x, size)
         x = x.contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
-        for i in range(TRAIN_CALLS):
+        calls = train_calls(rt)
+        for i in range(calls):
             # the last call is a step that averages (eager decides every-N on the host)
-            step.rewind(step.averaging_due_after if i == TRAIN_CALLS - 1 else 0)
+            step.rewind(step.averaging_due_after if i == calls - 1 else 0)
             rt.mark_step()
             step(x, y, size if in_step else None)
         step.rewind()
@@ -77,7 +81,7 @@ def warm_up(session) -> float:
     for n in eval_batch_sizes(n_test, r.eval.batch_size, session.shard):
         x = randn(n, c, *src.eval_size).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
-        for _ in range(2):
+        for _ in range(2 if rt.cuda_graphs else 1):       # (CUDA graphs record on the second call)
             evaluate(session.forward, [(x, y)], "none", rt)
             evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction)
     rt.synchronize()
