@@ -7,9 +7,8 @@ warm-up then N timed runs, in one JSON record whose ``definitions`` say what eac
     python benchmarks/gpu_record.py --synthetic --recipe cifar10-94-fast --variant base \\
         --variant 'graphs:runtime.cuda_graphs=on#60' --runs 5 [--profile] [--out FILE.json]
 
-``#SECONDS`` is a time limit, ``--budget`` the call's; without ``--out`` the record goes to $OUT
-(all that a lent GPU machine returns); ``@FILE`` reads arguments from a file (benchmarks/lending/).
-The options: ``--help`` and benchmarks/README.md.
+``#SECONDS`` is a time limit, ``--budget`` the call's; without ``--out`` the record goes to $OUT;
+``@FILE`` reads arguments from a file (benchmarks/lending/). The options: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -26,22 +25,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
-from peer_runner import CIFAR_FILES, PeerError, check_script, write_cifar10_pt  # noqa: E402
-from speedrun.bench.stats import describe, describe_times, welch  # noqa: E402
+from peer_runner import PeerError, check_script  # noqa: E402
 from speedrun.errors import SpeedrunError  # noqa: E402
-from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
+from speedrun.files import atomic_torch_save, atomic_write_json, check_output_file  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
-from speedrun.report.environment import machine, read_commit  # noqa: E402
 
 DEFINITIONS = {
     "speedrun.seconds": "speedrun bench's train+eval: from the first touch of the training data on the device (channel "
@@ -62,6 +57,7 @@ DEFINITIONS = {
 }
 SYSTEM_FORMS = "speedrun:RECIPE[@KEY=VALUE...][#SECONDS] or peer:PATH/TO/SCRIPT.py[#SECONDS]"
 SYNTHETIC_SETS = ["eval.every=0", "data.dataset=npz"]
+CIFAR_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
 
 
 def refuse(message: str):
@@ -96,17 +92,14 @@ def split_limit(spec: str, default: float | None, where: str) -> tuple[str, floa
     return body, float(seconds)
 
 
-def parse_overrides(text: str, where: str) -> list[str]:
+def settle(recipe: str, text: str, sets: list[str], where: str):
+    """The overrides written KEY=VALUE@KEY=VALUE..., and the recipe they settle after ``sets``."""
     over = text.split("@") if text else []
     bad = next((o for o in over if "=" not in o or not o.split("=", 1)[0].strip()), None)
     if bad is not None:
         refuse(f"{where}: {bad!r} is not KEY=VALUE")
-    return over
-
-
-def settled_recipe(name: str, overrides: list[str], where: str):
     try:
-        return load_recipe(name, overrides)
+        return over, load_recipe(recipe, [*sets, *over])
     except SpeedrunError as err:
         refuse(f"{where}: {err}")
 
@@ -129,8 +122,7 @@ def parse_system(given: str, args) -> System:
     recipe, _, tail = rest.partition("@")
     if not recipe:
         refuse(f"--system {spec!r}: no recipe before '@'; expected {SYSTEM_FORMS}")
-    over = parse_overrides(tail, f"--system {spec}")
-    settled = settled_recipe(recipe, [*args.sets, *over], f"--system {spec}")
+    over, settled = settle(recipe, tail, args.sets, f"--system {spec}")
     return System("speedrun", rest, spec, limit, over, recipe, dataset=settled.data.dataset,
                   long_warmup=str(settled.runtime.compile_mode).startswith("max-autotune"))
 
@@ -141,8 +133,8 @@ def parse_variant(given: str, args) -> System:
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
         refuse(f"--variant {spec!r}: expected NAME or NAME:KEY=VALUE@KEY=VALUE (a name of letters, digits, '.', "
                "'_', '+', '-')")
-    over = parse_overrides(tail, f"--variant {spec}")
-    batch = settled_recipe(args.recipe, [*SYNTHETIC_SETS, *args.sets, *over], f"--variant {name}").data.batch_size
+    over, settled = settle(args.recipe, tail, [*SYNTHETIC_SETS, *args.sets], f"--variant {name}")
+    batch = settled.data.batch_size
     if batch and batch > args.n_train:
         refuse(f"--variant {name}: data.batch_size={batch} is larger than --n-train {args.n_train}")
     return System("variant", name, spec, limit, over, args.recipe)
@@ -171,110 +163,72 @@ def check_data(data_dir: str | None) -> Path:
 
 # ---- children: each in its own process group, stopped at its limit within the budget -------
 
-@dataclass
-class Slot:
-    """Whether a child may start now, when it is stopped (seconds after its start) and by what."""
-    start: bool
-    stop_after: float | None = None
-    stopped_by: str | None = None    # "its limit" or "the budget"
-    reason: str = ""                 # why it is not started
-
-
-def slot(args, limit: float | None) -> Slot:
-    """A child with a limit starts only if the limit fits in what is left of --budget; one
-    without starts while any is left and is stopped where the budget ends."""
+def slot(args, limit: float | None) -> tuple[float | None, str | None] | str:
+    """(seconds after its start at which a child is stopped, by what), or why it may not start: with
+    --budget, one with a limit starts only if the limit fits in what is left, one without while
+    any is left, and is stopped where the budget ends."""
     if args.budget is None:
-        return Slot(True, limit, "its limit" if limit else None)
+        return limit, "its limit" if limit else None
     left = args.budget - (time.perf_counter() - args.started)
-    if limit is not None and limit > left:
-        return Slot(False, reason=f"its limit of {limit:.0f} s is more than the {max(left, 0):.0f} s left of "
-                                  f"--budget {args.budget:.0f}")
     if limit is not None:
-        return Slot(True, limit, "its limit")
-    if left <= 0:
-        return Slot(False, reason=f"--budget {args.budget:.0f} s is spent")
-    return Slot(True, left, "the budget")
+        return (limit, "its limit") if limit <= left else (
+            f"its limit of {limit:.0f} s is more than the {max(left, 0):.0f} s left of --budget {args.budget:.0f}")
+    return (left, "the budget") if left > 0 else f"--budget {args.budget:.0f} s is spent"
 
 
-def stop_group(proc: subprocess.Popen, stopped: threading.Event) -> None:
+def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the child's process group (compile workers included), SIGKILL 3 s later."""
-    stopped.set()
     with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_child(cmd: list[str], log: Path, slot: Slot, entry: dict, cwd: Path | None = None) -> tuple[int, str, bool]:
-    """One process, its output echoed (indented) and kept in ``log``, its group stopped at the
-    slot's limit: (exit code, its last lines, whether it was stopped). The entry gets its
-    command, limit and whole-process seconds."""
-    entry.update(command=" ".join(["python", *cmd[1:]]), limit_seconds=slot.stop_after, limit_from=slot.stopped_by)
+def run_child(cmd: list[str], log: Path, limit: tuple, entry: dict, cwd: Path | None) -> tuple[int, str, bool]:
+    """One process, its output kept in ``log`` and its last lines echoed (indented) when it ends,
+    its group stopped at the limit: (exit code, its last lines, whether it was stopped). The entry
+    gets its command, limit and whole-process seconds."""
+    stop_after, stopped_by = limit
+    entry.update(command=" ".join(["python", *cmd[1:]]), limit_seconds=stop_after, limit_from=stopped_by)
     path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
-    tail, stopped, t0 = deque(maxlen=40), threading.Event(), time.perf_counter()
+    t0, cut = time.perf_counter(), False
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, bufsize=1,
-                                env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
-        timer = None if slot.stop_after is None else threading.Timer(slot.stop_after, stop_group, (proc, stopped))
-        if timer:
-            timer.daemon = True
-            timer.start()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
         try:
-            for line in proc.stdout:
-                out.write(line)
-                tail.append(line.rstrip("\n"))
-                print("    " + tail[-1], flush=True)
+            rc = proc.wait(timeout=stop_after)
+        except subprocess.TimeoutExpired:
+            cut = True
+            stop_group(proc)
             rc = proc.wait()
         finally:
-            if timer:
-                timer.cancel()
             if proc.poll() is None:                 # (interrupted: the group goes with us)
-                stop_group(proc, threading.Event())
+                stop_group(proc)
     entry["process_wall_seconds"] = time.perf_counter() - t0
-    if stopped.is_set():
-        tail.append(f"stopped at {slot.stop_after:.0f} s (its process group killed)")
-        print("    " + tail[-1], flush=True)
-    return rc, "\n".join(tail), stopped.is_set()
-
-
-def gpu_state() -> list[dict] | None:
-    """The GPUs' name, clocks, power draw and temperature (nvidia-smi; None without it)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--format=csv", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,"
-                              "power.draw,temperature.gpu"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = [[v.strip() for v in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
-    return [dict(zip(rows[0], row)) for row in rows[1:]] if rows and not out.returncode else None
+    tail = log.read_text(errors="replace").splitlines()[-40:]
+    tail += [f"stopped at {stop_after:.0f} s (its process group killed)"] if cut else []
+    print("\n".join("    " + line for line in tail), flush=True)
+    return rc, "\n".join(tail), cut
 
 
 def from_bench(bench: dict) -> dict:
-    return {"warmup_seconds": bench["compile_seconds"], "first_load_seconds": bench["first_load_seconds"],
-            "runs": [{"seed": r["seed"], "test_acc": r["test_acc"], "test_acc_no_tta": r["test_acc_no_tta"],
-                      "seconds": r["times"]["train+eval"], "times": r["times"], "steps": r["steps"],
-                      "epochs": r["epochs"], "recompiles": r.get("recompiles")} for r in bench["runs"]],
-            "recipe_hash": bench["recipe_hash"], "recipe_config": bench["recipe_config"], "flops": bench.get("flops"),
-            "environment": bench["environment"]}
+    """A ``speedrun bench`` record as an entry: each run's train+eval its seconds, compiling its warm-up."""
+    runs = [{"seconds": r["times"]["train+eval"], **{k: r.get(k) for k in (
+        "seed", "test_acc", "test_acc_no_tta", "times", "steps", "epochs", "recompiles")}} for r in bench["runs"]]
+    return {"warmup_seconds": bench["compile_seconds"], "runs": runs, **{k: bench.get(k) for k in (
+        "first_load_seconds", "recipe_hash", "recipe_config", "flops", "environment")}}
 
 
-def from_peer(result: dict) -> dict:
-    return {**{k: result[k] for k in ("warmup_seconds", "warmup_own_seconds", "import_seconds", "main_block", "note")
-               if k in result},
-            "runs": [{k: r[k] for k in ("run", "test_acc", "test_acc_no_tta", "seconds", "timer", "wall_seconds",
-                                        "recompiles")} for r in result["runs"]],
-            "environment": {k: result[k] for k in ("torch_version", "cuda_version", "gpu_name", "python_version",
-                                                   "torch_threads")}}
-
-
-def run_system(args, s: System, slot: Slot, base: str) -> dict:
+def run_system(args, s: System, limit: tuple, base: str) -> dict:
     """One system or variant in its own process (``base`` names its files in the work folder);
-    its entry, marked cut where its process was stopped at its limit, the runs it finished kept."""
+    its entry, marked cut where its process was stopped at its limit, the runs it finished kept.
+    The peer runner and the variant child write their entry's figures as they are."""
+    from speedrun.report.environment import gpu_clocks
     work, sets = args.work_dir, [*args.sets, *s.overrides]
-    result, cwd, options = work / f"{base}.json", None, [a for o in sets for a in ("--set", o)]
-    options += ["--device", args.device] if args.device else []
+    result, cwd, read = work / f"{base}.json", None, dict
+    options = [a for o in sets for a in ("--set", o)] + (["--device", args.device] if args.device else [])
     if s.kind == "speedrun":
         entry = {"system": s.name, "kind": "speedrun", "spec": s.spec, "recipe": s.recipe, "overrides": sets}
         shutil.rmtree(work / base, ignore_errors=True)         # (a --work folder used before)
@@ -282,54 +236,52 @@ def run_system(args, s: System, slot: Slot, base: str) -> dict:
         cmd = ["-m", "speedrun", "bench", s.recipe, "--runs", str(args.runs), "--out", str(work / base), *options,
                *(["--data-dir", str(Path(args.data_dir).resolve())] if args.data_dir else [])]
     elif s.kind == "peer":
-        cwd, read = work / "airbench", from_peer
-        entry = {"system": s.name, "kind": "peer", "spec": s.spec, "script": str(s.path),
-                 "script_sha256": hashlib.sha256(s.path.read_bytes()).hexdigest(), "cwd": str(cwd)}
+        cwd = work / "airbench"
+        entry = {"system": s.name, "kind": "peer", "spec": s.spec,
+                 "script_sha256": hashlib.sha256(s.path.read_bytes()).hexdigest()}
         cmd = [str(ROOT / "benchmarks" / "peer_runner.py"), str(s.path), "--runs", str(args.runs), "--result",
                str(result)]
     else:
-        entry, read = {"variant": s.name, "kind": "variant", "overrides": s.overrides}, dict
+        entry = {"variant": s.name, "kind": "variant", "overrides": s.overrides}
         cmd = [str(Path(__file__).resolve()), "--child-variant", str(result), "--recipe", s.recipe, "--runs",
                str(args.runs), *options, *(["--profile"] if args.profile else [])]
     result.unlink(missing_ok=True)
-    rc, tail, cut = run_child([sys.executable, *cmd], work / f"{base}.log", slot, entry, cwd)
+    rc, tail, cut = run_child([sys.executable, *cmd], work / f"{base}.log", limit, entry, cwd)
     if result.is_file():
         entry.update(read(json.loads(result.read_text())))
-    done = len(entry.get("runs", []))
+    done, (stop_after, stopped_by) = len(entry.get("runs", [])), limit
     if cut:
-        entry["cut"] = {"by": slot.stopped_by, "at_seconds": slot.stop_after, "runs_finished": done,
-                        "runs_asked": args.runs}
+        entry["cut"] = {"by": stopped_by, "at_seconds": stop_after, "runs_finished": done, "runs_asked": args.runs}
     entry["ok"] = rc == 0 and not cut and done == args.runs and (s.kind != "variant" or not args.profile
                                                                  or "profile" in entry)
     if not entry["ok"]:
-        why = (f"stopped by {slot.stopped_by} ({slot.stop_after:.0f} s) after {done} of {args.runs} runs" if cut
+        why = (f"stopped by {stopped_by} ({stop_after:.0f} s) after {done} of {args.runs} runs" if cut
                else f"exit code {rc}" if rc else "its runs or its profile are incomplete")
         entry.update(error=why, output_tail=tail)
-    entry.update(summary=summarize(entry.get("runs", [])), gpu_after=gpu_state())
+    entry.update(summary=summarize(entry.get("runs", [])), gpu_after=gpu_clocks())
     return entry
 
 
-def run_each(args, record: dict, systems: list[System], pairs: list[tuple[str, str]]) -> None:
+def run_each(args, record: dict, systems: list[System]) -> None:
     """Each system in turn, started only if its limit fits in the budget left (else listed in
     ``left_out``); the record is written after each, so a call cut short keeps what finished."""
-    key = "systems" if record["mode"] == "real" else "variants"
+    key = "variants" if args.synthetic else "systems"
     for i, s in enumerate(systems):
-        got = slot(args, s.limit)
-        if got.start:
-            stop = "" if got.stop_after is None else f", stopped at {got.stop_after:.0f} s"
+        limit = slot(args, s.limit)
+        if isinstance(limit, str):
+            record["left_out"].append({"name": s.name, "reason": limit})
+            print(f"== {s.name}: not started ({limit})", flush=True)
+        else:
+            stop = "" if limit[0] is None else f", stopped at {limit[0]:.0f} s"
             print(f"== {s.kind} {s.name} ({args.runs} runs{stop}) {time.strftime('%H:%M:%S')}", flush=True)
-            entry = run_system(args, s, got, f"{i:02d}-" + re.sub(r"[^A-Za-z0-9._-]+", "_", s.name).strip("_")[:80])
+            entry = run_system(args, s, limit, f"{i:02d}-" + re.sub(r"[^A-Za-z0-9._-]+", "_", s.name).strip("_")[:80])
             record[key].append(entry)
-            record["gpu_after"] = entry["gpu_after"]
-            if key == "systems":
-                record["pairs"] = pair_figures(pairs, {e["system"]: e for e in record["systems"]})
-            else:                                   # (each variant's mean time over the first's)
+            if args.synthetic:                              # (each variant's mean time over the first's)
                 first = record["variants"][0]["summary"]
                 record["ratios"] = {v["variant"]: v["summary"]["seconds"]["mean"] / first["seconds"]["mean"]
                                     for v in record["variants"] if v["summary"]["runs"] and first["runs"]}
-        else:
-            record["left_out"].append({"name": s.name, "reason": got.reason})
-            print(f"== {s.name}: not started ({got.reason})", flush=True)
+            else:
+                record["pairs"] = pair_figures(args.pairs, {e["system"]: e for e in record["systems"]})
         record["total_seconds"] = time.perf_counter() - args.started
         atomic_write_json(args.out, record)
 
@@ -339,6 +291,7 @@ def run_each(args, record: dict, systems: list[System], pairs: list[tuple[str, s
 def summarize(runs: list[dict]) -> dict:
     """Mean, sd and 95% interval (speedrun.bench.stats), median, min and max of the seconds and
     the TTA accuracy over the finished runs; the recompiles in them (None where one is unknown)."""
+    from speedrun.bench.stats import describe, describe_times      # (scipy: once something ran)
     out = {"runs": len(runs)}
     for key, stats in (("seconds", describe_times), ("test_acc", describe)):
         values = [r[key] for r in runs]
@@ -354,6 +307,8 @@ def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
     """A over B for each pair whose systems both have runs: the mean and median time ratios, both
     accuracies, Welch's tests, and a paired t-test of the accuracy over the seeds both ran."""
     from scipy import stats
+
+    from speedrun.bench.stats import welch
     out = []
     for a, b in pairs:
         ea, eb = entries.get(a), entries.get(b)
@@ -378,10 +333,8 @@ def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
 
 
 def finish(args, record: dict) -> int:
-    """The record written a last time, a table printed; exit 0 when everything ran whole."""
-    key = "systems" if record["mode"] == "real" else "variants"
-    record["total_seconds"] = time.perf_counter() - args.started
-    atomic_write_json(args.out, record)
+    """A table of what the record holds (written after the last system); exit 0 when everything ran whole."""
+    key = "variants" if args.synthetic else "systems"
     print(f"\n{len(record[key])} {key}, {args.runs} runs each (record: {args.out})\n{'':50s} runs acc mean  acc med  "
           "seconds mean ± sd  median recomp warm-up  process")
     for e in record[key]:
@@ -389,8 +342,7 @@ def finish(args, record: dict) -> int:
         t, a = s["seconds"], s["test_acc"]
         figures = (f"{a['mean']:8.2%} {a['median']:8.2%} {t['mean']:9.3f} ± {t['std']:<6.3f} {t['median']:7.3f}"
                    if s["runs"] else f"{'-':>47s}")
-        status = (f"  CUT by {e['cut']['by']} at {e['cut']['at_seconds']:.0f} s after {e['cut']['runs_finished']} "
-                  "runs" if e.get("cut") else "" if e["ok"] else f"  FAILED: {e.get('error')}")
+        status = "" if e["ok"] else f"  {'CUT' if e.get('cut') else 'FAILED'}: {e['error']}"
         warm = "-" if warm is None else f"{warm:.1f} s"
         print(f"{e['kind'] + ' ' + e.get('system', e.get('variant', '')):50.50s} {s['runs']:4d} {figures} "
               f"{'-' if s['recompiles'] is None else s['recompiles']:>6} {warm:>8s} {e['process_wall_seconds']:6.1f} s"
@@ -405,57 +357,30 @@ def finish(args, record: dict) -> int:
     return 0 if all(e["ok"] for e in record[key]) and not record["left_out"] else 1
 
 
-# ---- the two modes -------------------------------------------------------------------------
+# ---- the two modes: what runs, and the data it reads ---------------------------------------
 
-def record_head(args, what: str, mode: str, systems: list[System]) -> dict:
-    """What every record of this script holds first."""
-    return {"benchmark": what, "mode": mode, "script": "benchmarks/gpu_record.py",
-            "command": " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]]), "commit": args.commit,
-            "device": args.device, "sets": args.sets, "budget_seconds": args.budget,
-            "limits": {s.name: s.limit for s in systems}, "order": [s.name for s in systems],
-            "definitions": DEFINITIONS, "environment": machine(args.commit, args.commit_source),
-            "gpu_before": gpu_state(), "left_out": []}
-
-
-def check_unique(systems: list[System], option: str) -> None:
-    names = [s.name for s in systems]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup:
-        refuse(f"{option}: two are named {dup!r}; each must appear once")
-
-
-def real_mode(args) -> int:
+def real_systems(args) -> tuple[list[System], dict]:
+    """The systems in the order they run (max-autotune warm-ups first) and the record's part for them."""
     if not args.system:
         refuse(f"give at least one --system ({SYSTEM_FORMS}), or --synthetic")
     if args.recipe or args.variant or args.profile:
         refuse("--recipe, --variant and --profile belong to --synthetic")
     given = [parse_system(spec, args) for spec in args.system]
-    check_unique(given, "--system")
     systems = [s for s in given if s.long_warmup] + [s for s in given if not s.long_warmup]
+    args.pairs = [parse_pair(p, systems) for p in args.pair]
+    args.batches = check_data(args.data_dir) if any(s.kind == "peer" or s.dataset == "cifar10"
+                                                    for s in systems) else None
     if systems != given:
         print("== max-autotune warm-ups first: " + ", ".join(s.name for s in systems if s.long_warmup), flush=True)
-    pairs = [parse_pair(p, systems) for p in args.pair]
-    peers = any(s.kind == "peer" for s in systems)
-    batches = check_data(args.data_dir) if peers or any(s.dataset == "cifar10" for s in systems) else None
-    args.out = record_path(args.out, "gpu-record.json")
-    record = {**record_head(args, "speedrun's recipes against peers' own scripts, one after another, each system "
-                                  "in its own fresh process", "real", systems),
-              "runs_per_system": args.runs, "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
-              "order_given": [s.name for s in given], "pairs_asked": [f"{a}:{b}" for a, b in pairs], "systems": [],
-              "pairs": []}
-    with work_folder(args) as work:
-        if peers:                    # (before the first peer: its time counts against the budget)
-            t0, written = time.perf_counter(), write_cifar10_pt(batches, work / "airbench")
-            record["airbench_data"] = {"from": str(batches.resolve()), "written": written,
-                                       "seconds": time.perf_counter() - t0,
-                                       "format": "dict: images uint8 N x 32 x 32 x 3 (NHWC), labels int64 N, "
-                                                 "classes list of 10 names"}
-        run_each(args, record, systems, pairs)
-    return finish(args, record)
+    return systems, {"benchmark": "speedrun's recipes against peers' own scripts, one after another, each system in "
+                                  "its own fresh process", "runs_per_system": args.runs,
+                     "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
+                     "order_given": [s.name for s in given], "pairs_asked": [f"{a}:{b}" for a, b in args.pairs],
+                     "systems": [], "pairs": []}
 
 
-def synthetic_mode(args) -> int:
-    import numpy as np
+def synthetic_variants(args) -> tuple[list[System], dict]:
+    """The variants of --recipe and the record's part for them and their random data."""
     if args.system or args.pair:
         refuse("--system and --pair belong to the real mode (without --synthetic)")
     if not args.recipe:
@@ -463,25 +388,39 @@ def synthetic_mode(args) -> int:
     if args.n_train < 1 or args.n_test < 1:
         refuse("--n-train and --n-test must be at least 1")
     variants = [parse_variant(v, args) for v in (args.variant or ["base"])]
-    check_unique(variants, "--variant")
-    args.out = record_path(args.out, "gpu-record-synthetic.json")
-    record = {**record_head(args, "variants of a recipe on random CIFAR-shaped data, each in its own fresh process",
-                            "synthetic", variants),
-              "recipe": args.recipe, "runs_per_variant": args.runs, "profile": args.profile,
-              "data": {"images": "random uint8, 3 x 32 x 32", "classes": 10, "labels": "random",
-                       "n_train": args.n_train, "n_test": args.n_test,
-                       "note": "accuracies on random labels mean nothing; only the times do"},
-              "variants": [], "ratios": {}}
-    with work_folder(args) as work:
-        t0, rng = time.perf_counter(), np.random.default_rng(0)
-        np.savez(work / "synthetic-cifar.npz", x_train=rng.integers(0, 256, (args.n_train, 3, 32, 32), dtype=np.uint8),
-                 y_train=rng.integers(0, 10, args.n_train, dtype=np.int64),
-                 x_test=rng.integers(0, 256, (args.n_test, 3, 32, 32), dtype=np.uint8),
-                 y_test=rng.integers(0, 10, args.n_test, dtype=np.int64), classes=np.array(
-                     ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]))
+    return variants, {"benchmark": "variants of a recipe on random CIFAR-shaped data, each in its own fresh process",
+                      "recipe": args.recipe, "runs_per_variant": args.runs, "profile": args.profile,
+                      "data": {"images": "random uint8, 3 x 32 x 32", "classes": 10, "labels": "random",
+                               "n_train": args.n_train, "n_test": args.n_test,
+                               "note": "accuracies on random labels mean nothing; only the times do"},
+                      "variants": [], "ratios": {}}
+
+
+def write_data(args, record: dict, systems: list[System]) -> None:
+    """The random data of --synthetic, else the peers' cifar10/*.pt (before the first peer: the
+    time counts against the budget), in the work folder."""
+    t0, work = time.perf_counter(), args.work_dir
+    if args.synthetic:
+        import numpy as np
+        rng, arrays = np.random.default_rng(0), {"classes": np.array([f"class {i}" for i in range(10)])}
+        for split, n in (("train", args.n_train), ("test", args.n_test)):
+            arrays.update({f"x_{split}": rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+                           f"y_{split}": rng.integers(0, 10, n, dtype=np.int64)})
+        np.savez(work / "synthetic-cifar.npz", **arrays)
         record["data"]["write_seconds"] = time.perf_counter() - t0
-        run_each(args, record, variants, [])
-    return finish(args, record)
+    elif any(s.kind == "peer" for s in systems):
+        from speedrun.data import load_dataset
+        try:
+            data, folder = load_dataset("cifar10", args.batches, fetch=False), work / "airbench" / "cifar10"
+        except SpeedrunError as err:                    # (a damaged file: before any system ran)
+            refuse(str(err))
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
+            atomic_torch_save(folder / f"{split}.pt", {"images": x.permute(0, 2, 3, 1).contiguous(), "labels": y,
+                                                       "classes": data.classes})
+        record["airbench_data"] = {"from": data.source, "folder": str(folder), "seconds": time.perf_counter() - t0,
+                                   "format": "dict: images uint8 N x 32 x 32 x 3 (NHWC, as torchvision's "
+                                             "CIFAR10.data), labels int64 N, classes list of 10 names"}
 
 
 # ---- the child: one variant in its own process, optionally profiled ------------------------
@@ -489,19 +428,17 @@ def synthetic_mode(args) -> int:
 STEP_MARK = "gpu_record.step_end"
 KINDS = ("convolution", "matmul", "fused", "batch norm", "copy/fill", "optimizer", "reduction", "elementwise",
          "other")
-CUDA_KINDS = (("fused", ("triton_",)), ("batch norm", ("bn_fw", "bn_bw", "batch_norm", "batchnorm")),
-              ("convolution", ("conv", "cudnn", "implicit_gemm", "wgrad", "dgrad", "fprop", "winograd")),
-              ("matmul", ("gemm", "nvjet", "cublas", "matmul")), ("convolution", ("xmma", "cutlass")),
-              ("optimizer", ("multi_tensor", "foreach")),
-              ("copy/fill", ("memcpy", "memset", "copy", "fill", "cat_", "catarray")),
-              ("reduction", ("reduce", "reduction")), ("elementwise", ("elementwise", "vectorized", "unrolled")))
-"""CUDA kernels by a part of their name, the first match counting (inductor's templates,
-``triton_tem``, are told apart before: convolution or matmul)."""
-CPU_KINDS = (("fused", ("compiledfxgraph", "torch-compiled region", "compiledfunction", "cpp_fused", "inductor",
-                        "## call")),
-             ("optimizer", ("optimizer.", "_foreach_", "fused_sgd", "fused_adam")), ("convolution", ("conv",)),
-             ("matmul", ("addmm", "aten::mm", "bmm", "matmul", "aten::linear", "mmbackward", "aten::addmv")),
-             ("batch norm", ("batch_norm", "batchnorm")), ("copy/fill", ("memcpy", "memset")))
+CUDA_KINDS = (("convolution", "triton_tem.*conv"), ("matmul", "triton_tem"), ("fused", "triton_"),
+              ("batch norm", "bn_[fb]w|batch_?norm"), ("convolution", "conv|cudnn|implicit_gemm|[wd]grad|fprop"),
+              ("convolution", "winograd"), ("matmul", "gemm|nvjet|cublas|matmul"), ("convolution", "xmma|cutlass"),
+              ("optimizer", "multi_tensor|foreach"), ("copy/fill", "memcpy|memset|copy|fill|cat_|catarray"),
+              ("reduction", "reduce|reduction"), ("elementwise", "elementwise|vectorized|unrolled"))
+"""CUDA kernels by a pattern in their (lower-case) name, the first match counting: inductor's templates
+(``triton_tem``) are convolutions or matmuls, its other ``triton_`` kernels fused."""
+CPU_KINDS = (("fused", "compiledfxgraph|torch-compiled region|compiledfunction|cpp_fused|inductor|## call"),
+             ("optimizer", r"optimizer\.|_foreach_|fused_sgd|fused_adam"), ("convolution", "conv"),
+             ("matmul", "addmm|aten::mm|bmm|matmul|aten::linear|mmbackward|aten::addmv"), ("batch norm", "batch_?norm"),
+             ("copy/fill", "memcpy|memset"))
 CPU_OPS = {kind: set(names.split()) for kind, names in (
     ("copy/fill", "copy fill zero zeros zeros_like ones ones_like full full_like to _to_copy clone cat stack "
                   "contiguous constant_pad_nd reflection_pad2d index index_select gather scatter"),
@@ -516,9 +453,7 @@ CPU_OPS = {kind: set(names.split()) for kind, names in (
 def kind_of(name: str, cuda: bool) -> str:
     """The kind of a CUDA kernel (``cuda``) or of a CPU op, from its name."""
     n = name.lower()
-    if cuda and "triton_tem" in n:
-        return "convolution" if "conv" in n else "matmul"
-    kind = next((k for k, parts in (CUDA_KINDS if cuda else CPU_KINDS) if any(p in n for p in parts)), None)
+    kind = next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, n)), None)
     if kind or cuda:
         return kind or "other"
     base = n.removeprefix("aten::").rstrip("_").removesuffix("_backward").removesuffix("_out")
@@ -606,7 +541,6 @@ def child_variant(args) -> int:
     atomic_write_json(args.child_variant, out)
     return 0
 
-
 # ---- the command line ----------------------------------------------------------------------
 
 def record_path(given: Path | None, name: str) -> Path:
@@ -620,16 +554,6 @@ def record_path(given: Path | None, name: str) -> Path:
     except SpeedrunError as err:
         refuse(str(err))
     return path
-
-
-@contextmanager
-def work_folder(args):
-    """``--work`` (kept), else a temporary folder deleted at the end; also ``args.work_dir``."""
-    with nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(
-            prefix="gpu-record-", ignore_cleanup_errors=True) as work:
-        args.work_dir = Path(work).resolve()
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        yield args.work_dir
 
 
 class Parser(argparse.ArgumentParser):
@@ -672,12 +596,31 @@ def main(argv=None) -> int:
     if args.child_variant:
         return child_variant(args)
     args.started = started
-    args.commit, args.commit_source = read_commit(args.commit)   # (the commit that runs, read before it runs)
     if args.runs < 1:
         refuse("--runs must be at least 1")
     if (args.limit is not None and args.limit <= 0) or (args.budget is not None and args.budget <= 0):
         refuse("--limit and --budget are seconds above 0")
-    return (synthetic_mode if args.synthetic else real_mode)(args)
+    systems, part = (synthetic_variants if args.synthetic else real_systems)(args)
+    names = [s.name for s in systems]
+    if len(set(names)) < len(names):
+        refuse(f"--{'variant' if args.synthetic else 'system'}: two are named "
+               f"{next(n for n in names if names.count(n) > 1)!r}; each must appear once")
+    args.out = record_path(args.out, "gpu-record-synthetic.json" if args.synthetic else "gpu-record.json")
+    from speedrun.report.environment import gpu_clocks, machine, read_commit    # (torch: nothing was refused)
+    args.commit, commit_source = read_commit(args.commit)                      # (before anything runs)
+    record = {"mode": "synthetic" if args.synthetic else "real", "script": "benchmarks/gpu_record.py",
+              "command": " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]]), "commit": args.commit,
+              "device": args.device, "sets": args.sets, "budget_seconds": args.budget,
+              "limits": {s.name: s.limit for s in systems}, "order": [s.name for s in systems],
+              "definitions": DEFINITIONS, "environment": machine(args.commit, commit_source),
+              "gpu_before": gpu_clocks(), "left_out": [], **part}
+    with nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(
+            prefix="gpu-record-", ignore_cleanup_errors=True) as work:       # (--work is kept)
+        args.work_dir = Path(work).resolve()
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+        write_data(args, record, systems)
+        run_each(args, record, systems)
+    return finish(args, record)
 
 
 if __name__ == "__main__":

@@ -3,29 +3,28 @@ each peer (a fresh process, started in a folder holding cifar10/train.pt and tes
 
     python benchmarks/peer_runner.py SCRIPT.py --runs N --result RESULT.json
 
-The source above ``if __name__ == "__main__":`` runs as a module; the block's statements before
+The statements above ``if __name__ == "__main__":`` run as a module; the block's statements before
 its first call of ``main`` run unchanged (models built, compiled), then ``main("warmup", ...)``
-(even where the block has none) and N times ``main(run, ...)`` with the block's own arguments.
-Each run's own timer and ``tta_val_acc`` come from its final ``print_training_details`` entry;
-the result file is written after every run. No speedrun import.
+(even where the block has none) and N times ``main(run, ...)`` with the block's own arguments,
+each run's own timer and ``tta_val_acc`` read from its final ``print_training_details`` entry.
+The result (gpu_record.py's entry for the peer) is written after every run. Of speedrun only its
+file writer is imported: nothing that sets torch up runs before the peer's own code.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
-import pickle
 import re
 import sys
 import time
 import types
 from pathlib import Path
 
-MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*(['"])__main__\1\s*:""", re.MULTILINE)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from speedrun.files import atomic_write_json  # noqa: E402
+
 TIMER_KEYS = ("time_seconds", "total_time_seconds")         # airbench94_muon.py's own timer, the legacy scripts'
-CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
-CIFAR_FILES = (*CIFAR_TRAIN, "test_batch", "batches.meta")
 
 
 class PeerError(Exception):
@@ -33,15 +32,6 @@ class PeerError(Exception):
 
 
 # ---- the script's __main__ block, read from its syntax tree --------------------------------
-
-def split_source(source: str, name: str) -> tuple[str, str]:
-    """(the module part, the ``if __name__ == "__main__":`` block) of a script's source."""
-    guards = list(MAIN_GUARD.finditer(source))
-    if not guards:
-        raise PeerError(f"{name}: no `if __name__ == \"__main__\":` block; an airbench-style script runs its "
-                        "timed runs there")
-    return source[:guards[-1].start()], source[guards[-1].start():]
-
 
 def main_calls(node: ast.AST) -> list[ast.Call]:
     return [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
@@ -52,24 +42,35 @@ def is_warmup(call: ast.Call) -> bool:
     return bool(call.args) and isinstance(call.args[0], ast.Constant) and call.args[0].value == "warmup"
 
 
-def plan_main_block(block: str, name: str) -> dict:
-    """``setup`` (a module of the block's statements before its first call of ``main``), ``args``
-    and ``keywords`` (source of what its per-run call passes after the run number) and
-    ``warmup_in_script`` (whether it calls ``main("warmup", ...)`` itself)."""
+def plan_script(source: str, name: str) -> dict:
+    """``head`` (a module of the statements above the last ``if __name__ == "__main__":``),
+    ``setup`` (one of the block's statements before its first call of ``main``), ``args`` and
+    ``keywords`` (source of what its per-run call passes after the run number) and
+    ``warmup_in_script`` (whether it calls ``main("warmup", ...)`` itself); :class:`PeerError`
+    naming what is missing. The modules keep the file's line numbers, so tracebacks name them."""
     try:
-        body = ast.parse(block, filename=name).body[0].body
+        tree = ast.parse(source, filename=name)
     except SyntaxError as err:
-        raise PeerError(f"{name}: its __main__ block does not parse ({err.msg}, line {err.lineno})") from None
+        raise PeerError(f"{name}: does not parse ({err.msg}, line {err.lineno})") from None
+    guards = [i for i, n in enumerate(tree.body)
+              if isinstance(n, ast.If) and ast.unparse(n.test) in ("__name__ == '__main__'", "'__main__' == __name__")]
+    if not guards:
+        raise PeerError(f"{name}: no `if __name__ == \"__main__\":` block; an airbench-style script runs its "
+                        "timed runs there")
+    head, body = tree.body[:guards[-1]], tree.body[guards[-1]].body
+    missing = [f for f in ("main", "print_training_details")
+               if f not in {n.name for n in head if isinstance(n, ast.FunctionDef)}]
+    if missing:
+        raise PeerError(f"{name}: defines no {' or '.join(missing)}(); not an airbench-style script "
+                        "(its runs are read from print_training_details)")
     first = next((i for i, stmt in enumerate(body) if main_calls(stmt)), None)
-    if first is None:
-        raise PeerError(f"{name}: its __main__ block never calls main(run, ...); cannot tell how it runs")
-    calls = [c for stmt in body[first:] for c in main_calls(stmt)]
+    calls = [c for stmt in body[first or 0:] for c in main_calls(stmt)]
     timed = next((c for c in calls if not is_warmup(c)), None)
     if timed is None or not timed.args:
-        raise PeerError(f"{name}: its __main__ block has no per-run call main(run, ...)")
+        raise PeerError(f"{name}: its __main__ block has no per-run call main(run, ...); cannot tell how it runs")
     if any(isinstance(a, ast.Starred) for a in timed.args) or any(k.arg is None for k in timed.keywords):
         raise PeerError(f"{name}: its per-run call of main passes *args or **kwargs; name the arguments")
-    return {"setup": ast.Module(body=body[:first], type_ignores=[]),
+    return {"head": ast.Module(body=head, type_ignores=[]), "setup": ast.Module(body=body[:first], type_ignores=[]),
             "setup_source": [ast.unparse(s) for s in body[:first]],
             "args": [ast.unparse(a) for a in timed.args[1:]],
             "keywords": {k.arg: ast.unparse(k.value) for k in timed.keywords},
@@ -77,69 +78,19 @@ def plan_main_block(block: str, name: str) -> dict:
 
 
 def check_script(path: Path) -> dict:
-    """The plan for ``path``, or :class:`PeerError` naming what is missing (gpu_record.py checks
-    every peer so before any system runs)."""
+    """The plan for the script at ``path`` (gpu_record.py checks every peer so before any system runs)."""
     try:
-        source = path.read_text(encoding="utf-8")
+        return plan_script(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError) as err:
         raise PeerError(f"{path}: cannot read it ({err})") from None
-    head, block = split_source(source, str(path))
-    try:
-        tree = ast.parse(head, filename=str(path))
-    except SyntaxError as err:
-        raise PeerError(f"{path}: does not parse ({err.msg}, line {err.lineno})") from None
-    missing = [f for f in ("main", "print_training_details")
-               if f not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}]
-    if missing:
-        raise PeerError(f"{path}: defines no {' or '.join(missing)}(); not an airbench-style script "
-                        "(its runs are read from print_training_details)")
-    plan = plan_main_block(block, str(path))
-    ast.increment_lineno(plan["setup"], head.count("\n"))     # (tracebacks name the file's own lines)
-    return plan
-
-
-# ---- data: the official CIFAR-10 batches as airbench's cifar10/{train,test}.pt --------------
-
-def write_cifar10_pt(batches: Path, folder: Path) -> dict:
-    """``folder/cifar10/train.pt`` and ``test.pt`` from the python batches in ``batches``: dicts
-    of ``images`` (uint8 N x 32 x 32 x 3, as torchvision's ``CIFAR10.data``), ``labels`` (int64)
-    and ``classes``, which airbench's ``CifarLoader`` loads instead of downloading."""
-    import numpy as np
-    import torch
-
-    def unpickle(name: str) -> dict:
-        with open(batches / name, "rb") as f:
-            return pickle.load(f, encoding="bytes")
-
-    classes = [c.decode() for c in unpickle("batches.meta")[b"label_names"]]
-    (folder / "cifar10").mkdir(parents=True, exist_ok=True)
-    written = {}
-    for split, names in (("train", CIFAR_TRAIN), ("test", ("test_batch",))):
-        parts = [unpickle(n) for n in names]
-        x = np.concatenate([np.asarray(p[b"data"], dtype=np.uint8) for p in parts]).reshape(-1, 3, 32, 32)
-        y = np.concatenate([np.asarray(p[b"labels"], dtype=np.int64) for p in parts])
-        path = folder / "cifar10" / f"{split}.pt"
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save({"images": torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 3, 1))),
-                    "labels": torch.from_numpy(y), "classes": classes}, tmp)
-        os.replace(tmp, path)
-        written[split] = {"path": str(path), "images": len(y)}
-    return written
 
 
 # ---- running it ---------------------------------------------------------------------------
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
 
 def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     import torch
     from torch._dynamo.utils import counters           # (graphs compiled so far: a run's recompiles)
     plan = check_script(script)
-    head, _ = split_source(script.read_text(encoding="utf-8"), str(script))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     name = "peer_" + re.sub(r"\W", "_", script.stem)
     module = sys.modules[name] = types.ModuleType(name)
@@ -147,12 +98,13 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     sys.argv = [str(script)]                           # (the scripts read their own source from argv[0])
     sys.path.insert(0, str(script.parent))
     t0 = time.perf_counter()
-    exec(compile(head, str(script), "exec"), module.__dict__)
-    result = {"script": str(script), "file": script.name, "cwd": os.getcwd(), "runs_asked": runs,
-              "main_block": {k: v for k, v in plan.items() if k != "setup"}, "import_seconds": time.perf_counter() - t0,
-              "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-              "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "python_version": sys.version.split()[0], "torch_threads": torch.get_num_threads()}
+    exec(compile(plan["head"], str(script), "exec"), module.__dict__)
+    result = {"script": str(script), "cwd": os.getcwd(),
+              "main_block": {k: v for k, v in plan.items() if k not in ("head", "setup")},
+              "import_seconds": time.perf_counter() - t0, "environment": {
+                  "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+                  "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                  "python_version": sys.version.split()[0], "torch_threads": torch.get_num_threads()}}
     if not plan["warmup_in_script"]:
         result["note"] = ("its __main__ block makes no warm-up call; main('warmup', ...) was run before the timed "
                           "runs all the same, as for every system")
@@ -182,7 +134,7 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     result.update(warmup_seconds=time.perf_counter() - t0, warmup_own_seconds=finals[-1]["seconds"] if finals
                   else None, runs=[])
     print(f"PEER {script.name}: warm-up {result['warmup_seconds']:.1f} s", flush=True)
-    write_json(result_path, result)
+    atomic_write_json(result_path, result)
     for run in range(runs):
         finals.clear()
         graphs = counters["stats"]["unique_graphs"]
@@ -194,7 +146,7 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
             raise PeerError(f"{script.name}: run {run} logged {len(finals)} final entries (expected 1)")
         result["runs"].append({"run": run, **finals[0], "wall_seconds": wall,
                                "recompiles": counters["stats"]["unique_graphs"] - graphs})
-        write_json(result_path, result)
+        atomic_write_json(result_path, result)
     return result
 
 

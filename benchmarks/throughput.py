@@ -1,21 +1,18 @@
 """Training throughput on one device: a recipe's model step alone against what feeds it, on a
 synthetic folder of photo-like JPEGs (written with Pillow into a temporary folder).
 
-    python benchmarks/throughput.py pipelines [--recipe imagenet-resnet50] [--batch 256] [--size 224] ...
-    python benchmarks/throughput.py runs [--recipes imagenette,folder] [--runs 1] ...
+    python benchmarks/throughput.py pipelines [--recipe imagenet-resnet50] [--batch 256] --out FILE.json
+    python benchmarks/throughput.py runs [--recipes imagenette,folder] [--runs 1] --out FILE.json
 
-``pipelines``: one Session of the recipe (ResNet-50 as ``speedrun train`` builds it), its step
-alone on a device-resident random batch, then fed by the streamed pipeline and by the folder
-decoded once on the GPU; which side bounds each. ``runs``: each recipe's whole ``speedrun
-train`` process against its model step alone at the run's own sizes (in another process).
-``--help`` after a mode lists its options; benchmarks/README.md says what each figure covers.
-A bad argument stops before anything is written: one line, exit code 2.
+``pipelines``: one Session of the recipe, its step alone on a device-resident random batch, then
+fed by the streamed pipeline and by the folder decoded once on the GPU. ``runs``: each recipe's
+whole ``speedrun train`` process against its model step alone at the run's own sizes (in another
+process). benchmarks/README.md says what each figure covers.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import math
 import multiprocessing as mp
@@ -37,7 +34,6 @@ from PIL import Image  # noqa: E402
 
 from speedrun.data.pipeline.dataset import open_source  # noqa: E402
 from speedrun.data.pipeline.stream import default_workers  # noqa: E402
-from speedrun.data.sources.device_decode import torchvision_io  # noqa: E402
 from speedrun.data.sources.folder import simplejpeg  # noqa: E402
 from speedrun.engine.loop import Session  # noqa: E402
 from speedrun.engine.plan import plan_run  # noqa: E402
@@ -52,25 +48,19 @@ from speedrun.report.environment import machine, read_commit  # noqa: E402
 
 PROG = "throughput"
 BOUND_SHARE = 0.9
-"""Pipeline-fed steps at this share of the model step's images/s alone or more are model-bound."""
+BAR = (f"model-bound where the pipeline-fed steps reach {BOUND_SHARE:.0%} of the model step's images/s alone, "
+       "else pipeline-bound")
 
 
-class Refused(Exception):
+def refuse(message):
     """A bad argument or value: one line, exit code 2, before anything is written."""
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        raise Refused(message)
-
-
-def record_path(kind: str, given: Path | None, device, commit: str | None) -> Path:
-    """--out, else benchmarks/results/KIND-<device>-<commit>.json; refused where it exists."""
-    text = device_name(device) if device.type == "cuda" else f"cpu-{device_name(device)}"
-    name = "-".join(p for p in "".join(c.lower() if c.isalnum() else "-" for c in text).split("-") if p)[:40]
-    out = given or ROOT / "benchmarks" / "results" / f"{kind}-{name or 'device'}-{(commit or 'nocommit')[:7]}.json"
-    check_output_file(out, "--out")
-    return out
+        refuse(message)
 
 
 # --- Synthetic photo folders ------------------------------------------------------------
@@ -78,9 +68,9 @@ def record_path(kind: str, given: Path | None, device, commit: str | None) -> Pa
 _NOISE: dict = {}
 
 
-def photo_bytes(seed: int, width: int, height: int, quality: int) -> bytes:
-    """A JPEG that compresses about as a photograph does (smooth random colour fields, noise of sigma
-    12 grey levels): about 95 kB at 500 x 375, quality 90; noise alone would decode slower."""
+def write_photo(path: str, seed: int, width: int, height: int, quality: int) -> int:
+    """A JPEG at ``path`` that compresses about as a photograph does (smooth random colour fields, noise
+    of sigma 12 grey levels): about 95 kB at 500 x 375, quality 90; noise alone would decode slower."""
     rng = np.random.default_rng(seed)
 
     def field(cells: int, amplitude: int) -> np.ndarray:
@@ -93,23 +83,14 @@ def photo_bytes(seed: int, width: int, height: int, quality: int) -> bytes:
     oy, ox = rng.integers(0, height), rng.integers(0, width)
     img = rng.integers(60, 190, 3).astype(np.int16) + field(96, 90) + field(4, 60)
     img += _NOISE[height, width][oy:oy + height, ox:ox + width]
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB").save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB").save(path, "JPEG", quality=quality)
+    return os.path.getsize(path)
 
 
-def _write(job) -> int:
-    path, seed, width, height, quality = job
-    data = photo_bytes(seed, width, height, quality)
-    Path(path).write_bytes(data)
-    return len(data)
-
-
-def photo_folder(root: Path, classes: int, train_per_class: int, val_per_class: int, sizes: list[tuple[int, int]],
-                 quality: int) -> dict:
-    """train/cNNNN/*.jpg and val/cNNNN/*.jpg under ``root`` (ImageNet's layout), image i of size
-    ``sizes[i % len(sizes)]``, written by forked workers (one per core); what was written."""
-    jobs = []
+def photo_folder(root: Path, args, train_per_class: int) -> dict:
+    """train/cNNNN/*.jpg and val/cNNNN/*.jpg under ``root`` (ImageNet's layout) of ``args.classes``,
+    image i of size ``args.sizes[i % len(sizes)]``, written by forked workers (one per core)."""
+    classes, val_per_class, sizes, quality, jobs = args.classes, args.val_per_class, args.sizes, args.quality, []
     for split, per in (("train", train_per_class), ("val", val_per_class)):
         for c in range(classes):
             folder = root / split / f"c{c:04d}"
@@ -119,77 +100,67 @@ def photo_folder(root: Path, classes: int, train_per_class: int, val_per_class: 
                 jobs.append((str(folder / f"{split}_{c:04d}_{i:05d}.jpg"), len(jobs), w, h, quality))
     t0, processes = time.perf_counter(), os.cpu_count() or 1
     if len(jobs) < 64 or processes == 1:
-        written = [_write(j) for j in jobs]
+        written = [write_photo(*job) for job in jobs]
     else:                                  # forked before this process has run any torch op
         with mp.get_context("fork").Pool(processes) as pool:
-            written = pool.map(_write, jobs, chunksize=max(1, len(jobs) // (processes * 8)))
-    return {"root": None, "classes": classes, "train_per_class": train_per_class, "val_per_class": val_per_class,
+            written = pool.starmap(write_photo, jobs, chunksize=max(1, len(jobs) // (processes * 8)))
+    return {"classes": classes, "train_per_class": train_per_class, "val_per_class": val_per_class,
             "train_images": classes * train_per_class, "val_images": classes * val_per_class, "jpeg_quality": quality,
             "sizes_wxh": [f"{w}x{h}" for w, h in sizes], "mean_bytes": float(np.mean(written)) if written else 0.0,
             "total_bytes": int(sum(written)), "write_seconds": time.perf_counter() - t0, "write_processes": processes,
             "content": "smooth random colour fields plus noise (photo-like compression), not real photos"}
 
 
-def parse_wxh(text: str) -> tuple[int, int]:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise Refused(f"--photo {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 500x375") from None
-    if w < 8 or h < 8:
-        raise Refused(f"--photo {text}: each side must be at least 8 pixels")
-    return w, h
-
-
 # --- Timing on the device: blocks of steps, the model step alone ------------------------
 
-def timed_blocks(rt, step_once, args, batch: int, before_block) -> dict:
-    """``args.repeats`` blocks of ``args.steps`` calls (the device synchronised at both ends of
-    each) after ``args.warm`` untimed ones; ``before_block()`` runs untimed before each part."""
-    before_block()
+def timed_region(session, once, args, batch: int, profile: bool = True) -> dict:
+    """``args.repeats`` blocks of ``args.steps`` calls of ``once`` (a training step; the device
+    synchronised at both ends of each block, the step rewound before it, so none runs past the
+    schedule's end) after ``args.warm`` untimed ones; then ``args.profile_steps`` under the profiler."""
+    rt, step, graphs = session.runtime, session.step, compiled_graphs()
+    step.rewind()
     for _ in range(args.warm):
-        step_once()
+        once()
     seconds = []
     for _ in range(args.repeats):
-        before_block()
+        step.rewind()
         rt.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            step_once()
+            once()
         rt.synchronize()
         seconds.append(time.perf_counter() - t0)
     per_second = [args.steps * batch / s for s in seconds]
-    return {"batch": batch, "steps_per_block": args.steps, "warm_steps": args.warm, "block_seconds": seconds,
-            "images_per_second": per_second, "images_per_second_median": float(np.median(per_second))}
-
-
-def model_step(session, side: int, args, profile: bool = True, in_step_size: int | None = None) -> dict:
-    """The session's TrainStep on one device-resident random batch of ``side`` px, rewound before
-    each block (none runs past the schedule's end); ``in_step_size``: where the step shrinks it to."""
-    rt, step, src, batch, graphs = session.runtime, session.step, session.source, session.local_batch, compiled_graphs()
-    gen = torch.Generator(device=rt.device).manual_seed(0)
-    x = torch.randn(batch, src.in_channels, side, side, generator=gen, device=rt.device)
-    x = x.to(rt.dtype).contiguous(memory_format=rt.memory_format)
-    y = torch.randint(0, src.num_classes, (batch,), generator=gen, device=rt.device)
-    session.reset(0)
-    step.reset(0)
-
-    def once():
-        rt.mark_step()
-        step(x, y, in_step_size)
-    out = {"side": side, **timed_blocks(rt, once, args, batch, step.rewind)}
-    out["seconds_per_step_median"] = float(np.median(out["block_seconds"])) / args.steps
+    out = {"batch": batch, "steps_per_block": args.steps, "warm_steps": args.warm, "block_seconds": seconds,
+           "images_per_second": per_second, "images_per_second_median": float(np.median(per_second)),
+           "seconds_per_step_median": float(np.median(seconds)) / args.steps}
     if profile and args.profile_steps:
         step.rewind()
         out["busy"] = profiled_busy(rt, once, args.profile_steps)
     return {**out, "graphs_compiled_during": compiled_graphs() - graphs}
 
 
+def model_step(session, side: int, args, profile: bool = True, in_step_size: int | None = None) -> dict:
+    """The session's TrainStep on one device-resident random batch of ``side`` px
+    (``in_step_size``: where the step shrinks it to)."""
+    rt, src, batch = session.runtime, session.source, session.local_batch
+    gen = torch.Generator(device=rt.device).manual_seed(0)
+    x = torch.randn(batch, src.in_channels, side, side, generator=gen, device=rt.device)
+    x = x.to(rt.dtype).contiguous(memory_format=rt.memory_format)
+    y = torch.randint(0, src.num_classes, (batch,), generator=gen, device=rt.device)
+    session.reset(0)
+    session.step.reset(0)
+
+    def once():
+        rt.mark_step()
+        session.step(x, y, in_step_size)
+    return {"side": side, **timed_region(session, once, args, batch, profile)}
+
+
 def bound(pipeline_rate: float, model_rate: float) -> dict:
-    """Which side bounds pipeline-fed steps: their images/s against the model step's alone."""
+    """Which side bounds pipeline-fed steps (the record's ``bar``): their images/s against the model step's alone."""
     ratio = pipeline_rate / model_rate
-    return {"pipeline_over_model": ratio, "bound_by": "model" if ratio >= BOUND_SHARE else "pipeline",
-            "rule": f"model-bound where the pipeline-fed steps reach {BOUND_SHARE:.0%} of the model step's "
-                    "images/s alone, else pipeline-bound"}
+    return {"pipeline_over_model": ratio, "bound_by": "model" if ratio >= BOUND_SHARE else "pipeline"}
 
 
 # --- pipelines: one Session, its step alone and fed by each pipeline --------------------
@@ -197,29 +168,24 @@ def bound(pipeline_rate: float, model_rate: float) -> dict:
 def fed_region(session, args) -> dict:
     """The session's step, each batch from its source's pipeline as a run takes it (the workers'
     decoding and crops, the move to the device, the device-side augmentation)."""
-    rt, graphs = session.runtime, compiled_graphs()
     batches = real_batches(session)
 
     def once():
         x, y, size = next(batches)
-        rt.mark_step()
+        session.runtime.mark_step()
         session.step(x, y, size)
-    out = timed_blocks(rt, once, args, session.recipe.data.batch_size, session.step.rewind)
-    session.step.rewind()
-    out["busy"] = profiled_busy(rt, once, args.profile_steps)
+    out = timed_region(session, once, args, session.recipe.data.batch_size)
     batches.close()                     # the pipeline and its workers go with the generator
     gc.collect()
     taken = args.warm + args.repeats * args.steps + args.profile_steps
-    return {**out, "epochs_started": math.ceil(taken / session.steps_per_epoch),
-            "graphs_compiled_during": compiled_graphs() - graphs}
+    return {**out, "epochs_started": math.ceil(taken / session.steps_per_epoch)}
 
 
 def worker_decoding(recipe) -> str:
-    workers, decoder = default_workers(recipe.data.workers), recipe.data.decoder
+    n, decoder = default_workers(recipe.data.workers), recipe.data.decoder
     if decoder in ("auto", "simplejpeg"):                   # (simplejpeg: None where it is not installed)
         decoder = f"simplejpeg (data.decoder={decoder})" if simplejpeg else "Pillow (simplejpeg is not installed)"
-    procs = f"{workers} process{'es' if workers != 1 else ''}" if workers else "in this process (data.workers=0)"
-    return f"CPU workers: {procs}, {decoder}"
+    return f"CPU workers: {f'{n} process' + 'es' * (n != 1) if n else 'in this process (data.workers=0)'}, {decoder}"
 
 
 def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
@@ -241,7 +207,6 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
     try:
         if args.no_gpu_decode:
             raise DataError("left out (--no-gpu-decode)")
-        torchvision_io()
         decode_device = "cuda" if torch.cuda.is_available() else "cpu"       # (speedrun data prepare's rule)
         r_gpu = load_recipe(recipes[0], overrides(args, folder, *gpu["overrides"],
                                                   f"data.cache_dir={str(work / 'cache')!r}"))
@@ -269,8 +234,9 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
                                "takes it; the warm steps include starting the workers",
                   "busy": "profile steps after the blocks under torch.profiler (see busy.what)",
                   "decode": "open_source with data.cache=on, data.decoder=torchvision: every file decoded once"},
+        "bar": BAR,
         "recipe": recipe.name, "recipe_config": recipe.to_dict(),
-        "runtime": {**runtime_fields(runtime), "choices": list(runtime.choices)},
+        "runtime": runtime.describe(),
         "batch": recipe.data.batch_size, "image_size": recipe.data.image_size, "params": params,
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
         "model_step": alone, "pipelines": [streamed, gpu],
@@ -285,10 +251,6 @@ def overrides(args, folder: Path | None, *extra: str) -> list[str]:
     own += [f"data.workers={args.workers}"] if args.workers is not None else []
     own += [f"data.path={str(folder)!r}"] if folder is not None else []
     return own + list(extra) + list(args.sets)
-
-
-def runtime_fields(runtime) -> dict:
-    return {k: getattr(runtime, k) for k in ("precision", "compile", "compile_mode", "cuda_graphs", "channels_last")}
 
 
 # --- runs: whole speedrun train processes against their model step ----------------------
@@ -309,7 +271,7 @@ def child(cmd: list[str], work: Path, env: dict) -> tuple[subprocess.CompletedPr
 
 def model_step_child(args) -> int:
     """(Its own process) a run's TrainStep alone at each of its training sizes, built from the
-    run's config.toml and cache as the run built it; the figures to --result."""
+    run's config.toml and cache as the run built it; the figures to --out."""
     plan = plan_run(load_recipe(str(args.model_step)), None, pick_device(args.device), fit_batch=False)
     recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     t0 = time.perf_counter()
@@ -322,9 +284,9 @@ def model_step_child(args) -> int:
                  **model_step(session, full if in_step else side, args, side == full, side if in_step else None)}
                 for side, n in sorted(sizes.items())]
     cache = getattr(source, "cache", None)
-    atomic_write_json(args.result, {
+    atomic_write_json(args.out, {
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
-        "run_cache_reused": (not cache["cache_made_now"]) if cache else None, "runtime": runtime_fields(runtime),
+        "run_cache_reused": (not cache["cache_made_now"]) if cache else None, "runtime": runtime.describe(),
         "total_steps": session.total_steps, "batch": recipe.data.batch_size, "per_size": per_size,
         "model_seconds_for_the_run": sum(r["run_steps"] * r["seconds_per_step_median"] for r in per_size),
         "recipe_config": recipe.to_dict()})
@@ -334,7 +296,7 @@ def model_step_child(args) -> int:
 def model_step_process(run_dir: Path, work: Path, env: dict, args) -> dict:
     result = work / f"model-step-{run_dir.name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "runs", "--model-step", str(run_dir / "config.toml"),
-           "--result", str(result), *[a for k in ("steps", "repeats", "warm", "profile_steps")
+           "--out", str(result), *[a for k in ("steps", "repeats", "warm", "profile_steps")
                                       for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]]
     proc, wall = child(cmd + (["--device", args.device] if args.device else []), work, env)
     out = {"process_wall_seconds": wall, "exit_code": proc.returncode, "ok": not proc.returncode}
@@ -371,8 +333,7 @@ def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
             if step["ok"]:
                 model_rate = images / step["model_seconds_for_the_run"]
                 row.update(model_step_seconds_for_the_run=step["model_seconds_for_the_run"],
-                           model_step_images_per_second=model_rate, **bound(images / training, model_rate),
-                           meets_bar=images / training >= BOUND_SHARE * model_rate)
+                           model_step_images_per_second=model_rate, **bound(images / training, model_rate))
             print(f"{recipe} run {i}: process {wall:.1f} s, train_seconds {summary['train_seconds']:.1f}, pipeline "
                   f"{images / training:,.0f} images/s" + (f", model step {row['model_step_images_per_second']:,.0f}"
                   f" images/s ({row['bound_by']}-bound)" if step["ok"] else ", model step FAILED"), flush=True)
@@ -383,7 +344,7 @@ def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
                   "pipeline_images_per_second": "steps x batch / (train_seconds - final_eval_seconds)",
                   "model_step": "the run's TrainStep alone (another process) at each training size; its images/s: "
                                 "steps x batch / the sum over sizes of the run's steps x median seconds per step"},
-        "bar": f"the pipeline-fed run reaches {BOUND_SHARE:.0%} of the model step's images/s (meets_bar)",
+        "bar": BAR,
         "recipes": recipes, "overrides": args.sets, "cold_compile": args.cold_compile, "runs": runs,
         "model_step": steps, "failed": [f"{r['recipe']} run {r['run']}" for r in runs if not r["ok"]]
         + [f"{k} model step" for k, v in steps.items() if not v["ok"]]}
@@ -391,11 +352,11 @@ def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
 
 # --- Command line -----------------------------------------------------------------------
 
-MODES = {  # the record's name and the defaults: an ImageNet-like folder, one shaped like the Imagenette copy
-    "pipelines": dict(kind="imagenet-throughput", recipes="imagenet-resnet50", classes=1000, images_per_class=None,
-                      val_per_class=1, sizes=[(500, 375)] * 3 + [(375, 500)], quality=90, warm=5),
-    "runs": dict(kind="photo-throughput", recipes="imagenette,folder", classes=10, images_per_class=947,
-                 val_per_class=393, sizes=[(224, 224)], quality=75, warm=3),
+MODES = {  # the defaults: an ImageNet-like folder, one shaped like the Imagenette copy
+    "pipelines": dict(recipes="imagenet-resnet50", classes=1000, images_per_class=None, val_per_class=1,
+                      sizes=[(500, 375)] * 3 + [(375, 500)], quality=90, warm=5),
+    "runs": dict(recipes="imagenette,folder", classes=10, images_per_class=947, val_per_class=393, sizes=[(224, 224)],
+                 quality=75, warm=3),
 }
 
 
@@ -414,12 +375,10 @@ def parse(argv):
         a("--images-per-class", type=int, help="training JPEGs per class (default: enough that one epoch holds "
           "every timed batch)" if one else "training JPEGs per class" + d)
         a("--val-per-class", type=int, help="validation JPEGs per class" + d)
-        a("--photo", help="WxH of every JPEG (default " + ("500x375, every fourth 375x500)" if one else "224x224)"))
-        a("--quality", type=int, help="JPEG quality" + d)
         a("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
         a("--device", choices=["cuda", "cpu"], help="default: cuda when available")
         a("--commit", help="the commit the record names (default: $SPEEDRUN_COMMIT, else git rev-parse HEAD)")
-        a("--out", type=Path, help=f"the record (default: benchmarks/results/{defaults['kind']}-DEVICE-COMMIT.json)")
+        a("--out", type=Path, required=True, help="the JSON record (an existing file is refused)")
         m.set_defaults(**defaults)
     a = sub.choices["pipelines"].add_argument
     a("--batch", type=int, default=256, help="images per step (data.batch_size; default %(default)s)")
@@ -429,8 +388,7 @@ def parse(argv):
     a = sub.choices["runs"].add_argument
     a("--runs", type=int, default=1, help="training processes per recipe (default %(default)s)")
     a("--cold-compile", action="store_true", help="each process with an empty inductor cache")
-    a("--model-step", type=Path, help=argparse.SUPPRESS)      # child: a run's config.toml
-    a("--result", type=Path, help=argparse.SUPPRESS)          # child: where its figures go
+    a("--model-step", type=Path, help=argparse.SUPPRESS)      # child: a run's config.toml; its figures to --out
     return p.parse_args(argv)
 
 
@@ -440,34 +398,32 @@ def check(args) -> list[str]:
     positive = ["steps", "repeats", "val_per_class", *(["batch", "profile_steps"] if pipes else ["runs"])]
     for name in positive + (["images_per_class"] if args.images_per_class is not None else []):
         if getattr(args, name) < 1:
-            raise Refused(f"--{name.replace('_', '-')} {getattr(args, name)}: must be 1 or more")
+            refuse(f"--{name.replace('_', '-')} {getattr(args, name)}: must be 1 or more")
     for bad, says in ((args.classes < 2, f"--classes {args.classes}: a classifier needs at least 2"),
                       (args.warm < 0 or args.profile_steps < 0, "--warm and --profile-steps must be 0 or more"),
                       (pipes and args.size < 8, f"--size {pipes and args.size}: must be at least 8 px"),
                       (pipes and len(recipes) > 1, f"--recipe {args.recipes!r}: one recipe"),
-                      (not 1 <= args.quality <= 100, f"--quality {args.quality}: JPEG quality is 1 to 100"),
                       (any("=" not in s for s in args.sets), f"--set {args.sets}: expected KEY=VALUE"),
                       (not recipes, f"--recipes {args.recipes!r}: name at least one recipe")):
         if bad:
-            raise Refused(says)
+            refuse(says)
     return recipes
 
 
 def run(args, commit, commit_source) -> int:
     started, recipes = time.perf_counter(), check(args)
-    sizes = [parse_wxh(args.photo)] if args.photo else args.sizes
     try:
         for r in recipes:                               # a bad name or --set stops here, naming it
             first = load_recipe(r, overrides(args, None) if args.mode == "pipelines" else args.sets)
         device = pick_device(args.device)
-        out = record_path(args.kind, args.out, device, commit)
+        check_output_file(args.out, "--out")
     except SpeedrunError as err:
-        raise Refused(err) from None
+        refuse(err)
     env = machine(commit, commit_source)
     per_class = args.images_per_class or math.ceil(
         (args.warm + args.repeats * args.steps + args.profile_steps) * first.data.batch_size / args.classes) + 1
-    with tempfile.TemporaryDirectory(prefix=f"{args.kind}-") as work:
-        made = photo_folder(Path(work) / "photos", args.classes, per_class, args.val_per_class, sizes, args.quality)
+    with tempfile.TemporaryDirectory(prefix=f"throughput-{args.mode}-") as work:
+        made = photo_folder(Path(work) / "photos", args, per_class)
         print(f"wrote {made['train_images'] + made['val_images']:,} JPEGs ({made['mean_bytes'] / 1e3:.1f} kB each) "
               f"in {made['write_seconds']:.1f} s", flush=True)
         body = (pipelines if args.mode == "pipelines" else whole_runs)(args, recipes, device, Path(work), made)
@@ -476,22 +432,22 @@ def run(args, commit, commit_source) -> int:
               "commit": commit, "commit_source": commit_source, "device": str(device),
               "device_name": device_name(device), **body, "photos": made,
               "total_seconds": time.perf_counter() - started, "environment": env}
-    atomic_write_json(out, record)
-    print(f"record: {out}")
+    atomic_write_json(args.out, record)
+    print(f"record: {args.out}")
     if failed:
         print(f"{PROG}: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
 def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        args = parse(sys.argv[1:] if argv is None else argv)
-        if getattr(args, "model_step", None):
+        if args.mode == "runs" and args.model_step:
             return model_step_child(args)
         return run(args, *read_commit(args.commit))      # (the commit that runs, read before it runs)
-    except (Refused, SpeedrunError) as err:              # SpeedrunError: trouble once running, no record
+    except SpeedrunError as err:                         # trouble once running: no record
         print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2 if isinstance(err, Refused) else 1
+        return 1
 
 
 if __name__ == "__main__":

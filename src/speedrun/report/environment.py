@@ -42,8 +42,8 @@ def git_state() -> dict:
 
 
 def gpu_clocks() -> list[dict] | None:
-    """Clocks, power limit and temperature of each GPU as nvidia-smi reads them (None without it)."""
-    fields = ["name", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.limit",
+    """Clocks, power draw and limit and temperature of each GPU as nvidia-smi reads them (None without it)."""
+    fields = ["name", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw", "power.limit",
               "temperature.gpu", "driver_version"]
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
