@@ -558,17 +558,19 @@ def test_throughput_never_overwrites_a_record(tmp_path):
 # peers.py: the plain loop, Lightning and speedrun, each in its own process, tiny on the CPU
 # ------------------------------------------------------------------------------------------
 
-def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, data_dir):
-    """One round of the three peers on a 2,048-image slice (narrow widths, batch 256, 3 epochs:
-    24 steps): every peer's figures, the medians the results page reads; every peer learned
-    (chance is 10%: above it by three standard errors on the 1,000 test images)."""
-    out = tmp_path / "peers.json"
-    proc = script("peers.py", "--epochs", 3, "--rounds", 1, "--limit-train", 2048, "--limit-test", 1000,
-                  "--data-dir", data_dir, "--set", "model.widths=[16,32,32]", "--set", "data.batch_size=256",
-                  "--set", "runtime.compile=off", "--out", out, timeout=900)
+def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, cifar10):
+    """One round of the three peers on a 2,048-image slice given as an .npz (narrow widths, batch
+    256, 3 epochs: 24 steps): every peer's figures, the medians the results page reads; every peer
+    learned (chance is 10%: above it by three standard errors on the 1,000 test images)."""
+    from conftest import subset_npz
+    out, data = tmp_path / "peers.json", tmp_path / "cifar10-slice.npz"
+    subset_npz(cifar10, data, 2048, 1000)
+    proc = script("peers.py", "--epochs", 3, "--rounds", 1, "--data-dir", data, "--set", "model.widths=[16,32,32]",
+                  "--set", "data.batch_size=256", "--set", "runtime.compile=off", "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
-    assert record["smoke"] and record["order"] == ["plain", "lightning", "speedrun"] and "definitions" in record
+    assert record["data"] == str(data) and record["order"] == ["plain", "lightning", "speedrun"]
+    assert "definitions" in record
     chance = 0.1 + 3 * (0.1 * 0.9 / 1000) ** 0.5
     assert set(record["peers"]) == {"plain", "lightning", "speedrun"} and set(record["ratios_to_speedrun"]) == {
         "plain", "lightning"} and "rounds" not in record                  # (several rounds: each kept, medians)
@@ -580,7 +582,11 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, da
     assert plain["precision"] == record["precision"] and plain["algorithm"]["total_steps"] == 24
     assert 0 < plain["seconds_before_training"] < plain["process_seconds"]
     assert record["peers"]["speedrun"]["command"].split()[1:5] == ["-m", "speedrun", "train", "cifar10-94"]
-    assert record["flops"]["total_flops"] > 0 and record["flops"]["achieved_flops_per_s_by_peer"]["plain"] > 0
+    assert record["peers"]["speedrun"]["summary"]["total_flops"] > 0
+    flops, rechecked = record["flops"], record["precision"] == "fp32" or record["bf16_units"]
+    assert set(flops["achieved_flops_per_s_by_peer"]) == {"plain", "lightning", "speedrun"}
+    assert flops["speedrun_training_utilisation"] > 0
+    assert len(flops["peak_recheck_flops_per_s_by_size"]) == (2 if rechecked else 0)    # (emulated bf16: none)
     assert "peers: speedrun: test_acc" in proc.stdout
     page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)
     assert "## Other records" not in page and "`peers.json`" in page.split("## speedrun beside the plain loop", 1)[1]
