@@ -400,15 +400,17 @@ def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none
 # ------------------------------------------------------------------------------------------
 
 def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
-    out = tmp_path / "structure.json"
+    """In fp32 only (the accumulate and data-parallel rows follow --precisions): eager, compiled and
+    accumulated rows, the timing, then --ddp-only adding a data-parallel row (two torchrun processes)
+    to the same record; the stop check."""
+    out, narrow = tmp_path / "structure.json", ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"]
     script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
-           "--backend", "aot_eager", "--timed-steps", 2, "--set", "model.widths=[16,32,32]",
-           "--set", "data.batch_size=64", "--out", out, timeout=900)
+           "--backend", "aot_eager", "--timed-steps", 2, *narrow, "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
     rows = {(r["precision"], r["compiled"], "train.accumulate=2" in r["overrides"]): r for r in record["rows"]}
-    assert set(rows) == {("fp32", False, False), ("fp32", True, False), ("bf16", True, True)}
-    eager, compiled, micro = rows[("fp32", False, False)], rows[("fp32", True, False)], rows[("bf16", True, True)]
+    assert set(rows) == {("fp32", False, False), ("fp32", True, False), ("fp32", True, True)}
+    eager, compiled, micro = rows[("fp32", False, False)], rows[("fp32", True, False)], rows[("fp32", True, True)]
     for row in (eager, compiled, micro):                # counted over 4 real steps: no sync, no graph break
         assert row["steps_counted"] == 4 and row["host_syncs_per_step"] == 0 and row["graph_breaks"] == 0, row
     assert eager["compiled_regions_per_step"] == 0 and eager["eager_ops_per_step"] > 100
@@ -416,6 +418,16 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
     assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
     assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
+    # data-parallel: DDP cuts the compiled forward into frames of its own (more regions), still no sync
+    script("step_structure.py", "--ddp-only", "--only", "cifar10-94", "--precisions", "fp32", "--backend",
+           "aot_eager", *narrow, "--out", out, timeout=600)
+    again = json.loads(out.read_text())
+    assert (again["rows"], again["timing"]) == (record["rows"], record["timing"]) and len(again["ddp"]) == 1
+    ddp = again["ddp"][0]
+    assert (ddp["recipe"], ddp["precision"], ddp["processes"], ddp["host_syncs_per_step"]) == ("cifar10-94", "fp32", 2, 0)
+    assert "data.batch_size=64" in ddp["overrides"] and ddp["steps_counted"] == 4
+    assert ddp["compiled_regions_per_step_by_rank"][0] == ddp["compiled_regions_per_step_by_rank"][1] \
+        > compiled["compiled_regions_per_step"]
     # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
     stop = tmp_path / "stop-check.json"
     script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
