@@ -104,7 +104,7 @@ def check_supported(recipe) -> None:
          or n.sync_ranks != 1),
         ("eval.tta_fraction must be 1", r.eval.tta_fraction != 1)] if bad]
     if problems:
-        raise SystemExit("peers: the recipe asks for what the peers do not implement: " + "; ".join(problems))
+        raise SystemExit("peers: error: the recipe asks for what the peers do not implement: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

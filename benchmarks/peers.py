@@ -30,7 +30,8 @@ from peer_algorithm import (LIGHTNING_PRECISION, Algorithm, Clock, autocast_for,
 from speedrun.compat import cpu_bf16_units  # noqa: E402
 from speedrun.data import load_dataset  # noqa: E402
 from speedrun.data.sources.arrays import load_npz  # noqa: E402
-from speedrun.files import atomic_write_json  # noqa: E402
+from speedrun.errors import SpeedrunError  # noqa: E402
+from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
 from speedrun.report.environment import machine  # noqa: E402
 
@@ -216,8 +217,12 @@ def main(argv=None) -> int:
         return 0
     peers = args.peers.split(",")
     if args.rounds < 1 or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
-        raise SystemExit(f"peers: give --rounds 1 or more and --peers from {', '.join(PEERS)}, each once")
+        raise SystemExit(f"peers: error: give --rounds 1 or more and --peers from {', '.join(PEERS)}, each once")
     check_supported(recipe)
+    try:
+        check_output_file(args.out, "--out")
+    except SpeedrunError as err:
+        raise SystemExit(f"peers: error: {err}")
     precision = args.precision if args.precision != "auto" else ("bf16" if cpu_bf16_units() else "fp32")
     record = {"benchmark": "speedrun against a plain PyTorch loop and a Lightning Trainer, same algorithm",
               "recipe": RECIPE, "overrides": overrides(args), "epochs": args.epochs, "threads": args.threads,

@@ -213,3 +213,14 @@ def test_the_rounds_rotate_and_their_summary_is_the_medians_the_kept_records_hol
             assert again["medians"][name] == pytest.approx(medians)
         for key in ("fastest_peer_per_epoch", "fastest_peer_final_eval"):
             assert again[key] == kept[key]
+
+
+def test_a_bad_peer_list_or_an_existing_record_is_refused_in_one_line_writing_nothing(tmp_path):
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    for args, says in ((["--peers", "plain,plain"], "each once"), (["--rounds", "0"], "--rounds 1 or more"),
+                       ([], "already exists"), (["--set", "augment.mixup=0.2"], "do not implement")):
+        with pytest.raises(SystemExit) as stop:
+            peers.main(["--epochs", "1", "--out", str(kept), *args])
+        assert says in str(stop.value) and str(stop.value).startswith("peers:")
+    assert kept.read_text() == "{}" and sorted(tmp_path.iterdir()) == [kept]
