@@ -119,8 +119,8 @@ def run_job(args, variant: dict, seed: int, root: Path, env: dict, t0: float) ->
         return None
     folder, log = root / f"{variant['name']}-seed{seed}", root / f"{variant['name']}-seed{seed}.log"
     cmd = [sys.executable, "-m", "speedrun", "train", variant["recipe"], "--seed", str(seed), "--out", str(folder),
-           *[a for s in variant["sets"] for a in ("--set", s)], *(["--data-dir", args.data_dir] if args.data_dir else []),
-           *args.extra]
+           *[a for s in variant["sets"] for a in ("--set", s)],
+           *(["--data-dir", args.data_dir] if args.data_dir else []), *args.extra]
     with open(log, "w") as out:
         proc, status = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), "done"
         try:

@@ -36,16 +36,18 @@ from speedrun.report.environment import machine  # noqa: E402
 
 def train(tree: Path, args, sets: list[str], out: Path) -> dict:
     """``speedrun train`` from ``tree`` into ``out``, in its own process; what its summary says."""
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"), TORCHINDUCTOR_CACHE_DIR=str(out.parent / f"inductor-{out.name}"))
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"),
+               TORCHINDUCTOR_CACHE_DIR=str(out.parent / f"inductor-{out.name}"))
     cmd = [sys.executable, "-m", "speedrun", "train", args.recipe, "--out", str(out), *args.extra,
            *[a for s in sets for a in ("--set", s)], *(["--data-dir", args.data_dir] if args.data_dir else [])]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"same_weights: {tree}: speedrun train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"same_weights: error: {tree}: speedrun train failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
-    return {"process_wall_seconds": time.perf_counter() - t0, **{k: s.get(k) for k in (
-        "test_acc", "test_acc_no_tta", "train_seconds", "steps", "git_commit", "git_dirty")}, "command": " ".join(cmd[1:])}
+    keys = ("test_acc", "test_acc_no_tta", "train_seconds", "steps", "git_commit", "git_dirty")
+    return {"process_wall_seconds": time.perf_counter() - t0, **{k: s.get(k) for k in keys}, "command": " ".join(cmd[1:])}
 
 
 def differing_tensors(a: Path, b: Path) -> list[str]:

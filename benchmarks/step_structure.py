@@ -10,12 +10,11 @@ Structure, for cifar10-94, cifar10-94-fast and imagenet-resnet50 in fp32, bf16 a
 autocast with the loss scale), eager and compiled, then compiled with train.accumulate=2 (and
 with --ddp data-parallel) in bf16, or in the first of --precisions where bf16 is not asked: graph
 breaks, compiled regions, eager ATen ops outside them and host syncs per step (the maximum over
-the steps of a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow
-nets (the counts do not depend on width); then milliseconds per step at the recipes' own widths.
-Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled
-to 64 px for imagenet-resnet50. The stop check (StopAgreement.signal) is timed alone, 5 rounds
-of ``--calls`` calls: in one process (a flag read), then in two torchrun processes (gloo)
-all-reducing one integer held on the CPU.
+a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow nets (the
+counts do not depend on width); then ms per step at the recipes' own widths. Data: the first
+2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled to 64 px for
+imagenet-resnet50. The stop check (StopAgreement.signal): 5 rounds of ``--calls`` calls in one
+process (a flag read), then in two torchrun processes (gloo) all-reducing one integer.
 """
 from __future__ import annotations
 
@@ -142,11 +141,6 @@ def time_calls(check, calls: int) -> list[float]:
 
 def stop_check(calls: int, out: Path, env: dict) -> int:
     """The stop check's microseconds per call in one process and in two (torchrun, gloo)."""
-    try:
-        check_output_file(out, "--out")
-    except SpeedrunError as err:
-        print(f"step_structure: error: {err}", file=sys.stderr)
-        return 2
     torch.set_num_threads(1)
     one_process, stop = StopAgreement(World()), StopSignals()
     record = {"what": "microseconds per call of the loop's stop check (StopAgreement.signal), 5 rounds",
@@ -192,8 +186,12 @@ def main() -> int:
     cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
     if args.stop_check:
         commit = (env.get("git_commit") or "")[:7]
-        return stop_check(args.calls, args.out or RESULTS / f"stop-check-{cpu}{'-' if commit else ''}{commit}.json",
-                          env)
+        out = args.out or RESULTS / f"stop-check-{cpu}{'-' if commit else ''}{commit}.json"
+        try:
+            check_output_file(out, "--out")
+        except SpeedrunError as err:
+            p.error(str(err))
+        return stop_check(args.calls, out, env)
     out = args.out or RESULTS / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
     old = json.loads(out.read_text()) if (args.ddp_only or args.no_structure) and out.exists() else {}

@@ -25,8 +25,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from speedrun.errors import SpeedrunError
+from speedrun.files import atomic_write_json, check_output_file
 from speedrun.report.environment import machine
-from speedrun.files import atomic_write_json
 
 HERE = Path(__file__).resolve()
 
@@ -141,7 +142,7 @@ def kept_name(args, name: str, i: int, busy_n: int) -> str:
 def parse():
     """The options before ``--`` (with ``extra``: the ``speedrun train`` arguments after it; ``systems``: (name,
     checkout or None); ``loads``: busy processes beside each run), refused before any run where a --system is
-    no checkout, --system plain has no data or a folder --keep-runs would write exists."""
+    no checkout, --system plain has no data, or --out or a folder --keep-runs would write exists."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("recipe")
     p.add_argument("--runs", type=int, default=3)
@@ -173,6 +174,10 @@ def parse():
             for n in args.loads if name != "plain"] if args.keep_runs else []
     if any(k.exists() for k in kept):
         p.error(f"--keep-runs: {next(k for k in kept if k.exists())} exists; give an empty or new folder")
+    try:
+        check_output_file(args.out, "--out")
+    except SpeedrunError as err:
+        p.error(str(err))
     return args
 
 

@@ -59,12 +59,14 @@ def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_e
         assert row["slowdown_busy_over_alone"] == row["busy"]["median_s"] / row["alone"]["median_s"] > 0
     assert sorted(p.name for p in keep.iterdir()) == ["here-run0", "here-run0-busy1"]
     assert (keep / "here-run0-busy1" / "model.pt").is_file()
-    # a kept folder that exists, or a --system that is no checkout, is refused before any run, writing nothing
-    for bad in (["--keep-runs", keep, "--system", f"here={ROOT}", "--busy", "1"], ["--system", f"old={tmp_path}"]):
+    # a kept folder or a record that exists, or a --system that is no checkout, is refused before any run,
+    # writing nothing
+    for bad, says in ((["--keep-runs", keep, "--system", f"here={ROOT}", "--busy", "1"], "--keep-runs"),
+                      (["--system", f"old={tmp_path}"], "no src/speedrun"), (["--out", out], "already exists")):
         again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist",
                                 "--out", tmp_path / "again.json", *map(str, bad)], capture_output=True, text=True)
-        assert again.returncode == 2 and ("--keep-runs" in again.stderr or "no src/speedrun" in again.stderr)
-        assert not (tmp_path / "again.json").exists()
+        assert again.returncode == 2 and says in again.stderr and "Traceback" not in again.stderr
+        assert not (tmp_path / "again.json").exists() and json.loads(out.read_text()) == record
 
 
 # ------------------------------------------------------------------------------------------
