@@ -401,13 +401,15 @@ def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none
 # step_structure.py: what one training step costs, counted and timed on the CPU; the stop check
 # ------------------------------------------------------------------------------------------
 
+NARROW_STEP = ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"]
+
+
 def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
-    """In fp32 only (the accumulate and data-parallel rows follow --precisions): eager, compiled and
-    accumulated rows, the timing, then --ddp-only adding a data-parallel row (two torchrun processes)
-    to the same record; the stop check."""
-    out, narrow = tmp_path / "structure.json", ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"]
+    """In fp32 only (the accumulated row follows --precisions): eager, compiled and accumulated
+    rows, the timing; the stop check."""
+    out = tmp_path / "structure.json"
     script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
-           "--backend", "aot_eager", "--timed-steps", 2, *narrow, "--out", out, timeout=900)
+           "--backend", "aot_eager", "--timed-steps", 2, *NARROW_STEP, "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
     rows = {(r["precision"], r["compiled"], "train.accumulate=2" in r["overrides"]): r for r in record["rows"]}
@@ -420,16 +422,6 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
     assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
     assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
-    # data-parallel: DDP cuts the compiled forward into frames of its own (more regions), still no sync
-    script("step_structure.py", "--ddp-only", "--only", "cifar10-94", "--precisions", "fp32", "--backend",
-           "aot_eager", *narrow, "--out", out, timeout=600)
-    again = json.loads(out.read_text())
-    assert (again["rows"], again["timing"]) == (record["rows"], record["timing"]) and len(again["ddp"]) == 1
-    ddp = again["ddp"][0]
-    assert (ddp["recipe"], ddp["precision"], ddp["processes"], ddp["host_syncs_per_step"]) == ("cifar10-94", "fp32", 2, 0)
-    assert "data.batch_size=64" in ddp["overrides"] and ddp["steps_counted"] == 4
-    assert ddp["compiled_regions_per_step_by_rank"][0] == ddp["compiled_regions_per_step_by_rank"][1] \
-        > compiled["compiled_regions_per_step"]
     # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
     stop = tmp_path / "stop-check.json"
     script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
@@ -442,6 +434,24 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_structure.py"), "--stop-check",
                             "--out", str(stop)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already exists" in again.stderr and json.loads(stop.read_text()) == record
+
+
+def test_step_structure_adds_a_data_parallel_row_to_a_record_keeping_the_rest(tmp_path):
+    """--ddp-only: two torchrun processes (gloo) count a compiled data-parallel step in fp32 (the
+    first of --precisions); DDP cuts the compiled forward into frames of its own, so a step runs more
+    compiled regions than one process's 1 to 3, still without a host sync. The record's other rows stay."""
+    out = tmp_path / "structure.json"
+    out.write_text(json.dumps({"rows": [{"recipe": "kept"}], "timing": [{"recipe": "kept"}], "ddp": []}))
+    script("step_structure.py", "--ddp-only", "--only", "cifar10-94", "--precisions", "fp32", "--backend",
+           "aot_eager", *NARROW_STEP, "--out", out, timeout=600)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["rows"] == record["timing"] == [{"recipe": "kept"}] and len(record["ddp"]) == 1
+    ddp = record["ddp"][0]
+    assert (ddp["recipe"], ddp["precision"], ddp["processes"], ddp["host_syncs_per_step"]) == ("cifar10-94", "fp32", 2, 0)
+    assert "data.batch_size=64" in ddp["overrides"] and ddp["steps_counted"] == 4
+    regions = ddp["compiled_regions_per_step_by_rank"]
+    assert regions[0] == regions[1] == ddp["compiled_regions_per_step"] > 3
 
 
 # ------------------------------------------------------------------------------------------
