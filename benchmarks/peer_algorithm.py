@@ -4,39 +4,22 @@ the step. Public torch API only (the model from ``speedrun.models``); Lightning 
 from __future__ import annotations
 
 import math
-import pickle
 import time
-from collections import namedtuple
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from speedrun.models import build_model
+
 CHANNELS_LAST = torch.channels_last
 LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp32": "32-true"}
 
 
 # --- Data: uint8 images in memory, normalised and augmented a whole batch at a time --------
-
-Cifar10 = namedtuple("Cifar10", "train_x train_y test_x test_y")     # (N, 3, 32, 32) uint8 images, int64 labels
-
-
-def load_cifar10(data_dir: str | Path, limit_train: int | None = None, limit_test: int | None = None) -> Cifar10:
-    """CIFAR-10 from the pickles in ``data_dir/cifar-10-batches-py``; ``limit_*``: the first images only."""
-    def read(name):
-        with open(Path(data_dir) / "cifar-10-batches-py" / name, "rb") as f:
-            d = pickle.load(f, encoding="bytes")
-        return np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32), np.asarray(d[b"labels"])
-    parts = [read(f"data_batch_{i}") for i in range(1, 6)]
-    train_x, train_y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    test_x, test_y = read("test_batch")
-    return Cifar10(*[torch.from_numpy(a) for a in (train_x[:limit_train], train_y[:limit_train].astype(np.int64),
-                                                   test_x[:limit_test], test_y[:limit_test].astype(np.int64))])
-
 
 class Normalise:
     """(pixel - mean) / std per channel, the training images' mean and (N-1) std in float64, as speedrun's."""
@@ -96,19 +79,11 @@ class TrainBatches:
             yield x.contiguous(memory_format=CHANNELS_LAST), self.labels[idx]
 
 
-class EvalBatches:
-    """The test set in order, normalised a batch at a time; each pass is one pass over it."""
-
-    def __init__(self, data: Cifar10, normalise: Normalise, batch_size: int):
-        self.data, self.normalise, self.batch_size = data, normalise, batch_size
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.data.test_y) / self.batch_size)
-
-    def __iter__(self):
-        d, b = self.data, self.batch_size
-        for i in range(0, len(d.test_y), b):
-            yield self.normalise(d.test_x[i:i + b]).contiguous(memory_format=CHANNELS_LAST), d.test_y[i:i + b]
+def eval_batches(data, normalise: Normalise, batch_size: int):
+    """The test set in order, normalised a batch at a time (one pass)."""
+    for i in range(0, len(data.test_y), batch_size):
+        yield normalise(data.test_x[i:i + batch_size]).contiguous(memory_format=CHANNELS_LAST), \
+            data.test_y[i:i + batch_size]
 
 
 # --- The algorithm's numbers ---------------------------------------------------------------
@@ -129,7 +104,7 @@ def check_supported(recipe) -> None:
          or n.sync_ranks != 1),
         ("eval.tta_fraction must be 1", r.eval.tta_fraction != 1)] if bad]
     if problems:
-        raise SystemExit("peers: the recipe asks for what the peers do not implement: " + "; ".join(problems))
+        raise SystemExit("peers: error: the recipe asks for what the peers do not implement: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -213,17 +188,18 @@ def make_optimizer(model: nn.Module, algo: Algorithm):
 
 class Lookahead:
     """Lookahead averaging (Zhang et al. 2019; airbench94): every ``every`` steps t each float state tensor's
-    ``avg <- d*avg + (1-d)*live``, ``d = decay * (t/total)**power``, and live <- avg; at the end, the average."""
+    ``avg <- d*avg + (1-d)*live``, ``d = decay * (t/total)**power``, and live <- avg; at the end, the average.
+    Without lookahead in the recipe it averages nothing."""
 
-    def __init__(self, model: nn.Module, every: int, decay: float, power: float, total_steps: int):
-        self.every, self.decay, self.power, self.total = every, decay, power, total_steps
-        self.live = [t for t in model.state_dict().values() if t.is_floating_point()]
+    def __init__(self, model: nn.Module, algo: Algorithm):
+        (self.every, self.decay, self.power), self.total = algo.lookahead or (0, 0.0, 0.0), algo.total_steps
+        self.live = [t for t in model.state_dict().values() if t.is_floating_point()] if self.every else []
         self.average = [t.detach().clone() for t in self.live]
 
     @torch.no_grad()
     def update(self, step: int) -> None:
         """After optimizer step number ``step`` (counted from 1)."""
-        if step % self.every == 0:
+        if self.every and step % self.every == 0:
             d = self.decay * (step / self.total) ** self.power
             for avg, live in zip(self.average, self.live):
                 avg.lerp_(live, 1.0 - d)
@@ -233,10 +209,6 @@ class Lookahead:
     def finalize(self) -> None:
         for avg, live in zip(self.average, self.live):
             live.copy_(avg)
-
-
-def make_lookahead(model: nn.Module, algo: Algorithm) -> Lookahead | None:
-    return Lookahead(model, *algo.lookahead, algo.total_steps) if algo.lookahead else None
 
 
 def autocast_for(precision: str):
@@ -295,14 +267,6 @@ class Clock:
     def seconds(self) -> float:
         return time.perf_counter() - self.t0 - self.paused
 
-    @contextmanager
-    def pause(self):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused += time.perf_counter() - t
-
     def mark_epoch(self) -> None:
         self.marks.append(self.seconds())
 
@@ -311,26 +275,79 @@ class Clock:
 
 
 @contextmanager
-def monitored(clock: Clock | None, lookahead: Lookahead | None):
+def monitored(clock: Clock, lookahead: Lookahead):
     """A monitoring evaluation: paused out of the clock, with the averaged weights (the live ones after)."""
-    with clock.pause() if clock is not None else nullcontext():
-        saved = [t.clone() for t in lookahead.live] if lookahead is not None else []
-        if lookahead is not None:
-            lookahead.finalize()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for live, s in zip(lookahead.live if lookahead is not None else [], saved):
-                    live.copy_(s)
+    start, saved = time.perf_counter(), [t.clone() for t in lookahead.live]
+    lookahead.finalize()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, kept in zip(lookahead.live, saved):
+                t.copy_(kept)
+        clock.paused += time.perf_counter() - start
+
+
+# --- Either peer's start, and the plain peer's loop -----------------------------------------
+
+def peer_model(recipe, seed: int) -> nn.Module:
+    """speedrun's network for the recipe, initialised from ``seed`` as speedrun initialises it."""
+    torch.manual_seed(seed)
+    return build_model(recipe.model, 3, 10).to(memory_format=CHANNELS_LAST)
+
+
+def first_touch(model: nn.Module, data, algo: Algorithm) -> tuple[Normalise, TrainBatches]:
+    """The first touch of the data, as speedrun's clock counts it: statistics, whitening fit, batch maker."""
+    normalise = Normalise(data.train_x)
+    if getattr(model, "whiten", None) is not None:
+        model.whiten.fit(normalise(data.train_x[:algo.whiten_samples]))
+    return normalise, TrainBatches(data.train_x, data.train_y, normalise, algo.batch_size, algo.translate, algo.flip,
+                                   algo.seed)
+
+
+def train_plain(model: nn.Module, algo: Algorithm, optimizer, batches, precision: str = "fp32",
+                clock: Clock | None = None, monitor_batches=None) -> list[float]:
+    """The plain loop: ``algo.total_steps`` steps over ``batches`` (a pass per epoch), the averaged weights
+    left in ``model``; after each epoch but the last, ``monitor_batches()``' accuracy (returned)."""
+    (opt, schedule), clock = optimizer, clock or Clock()
+    lookahead = Lookahead(model, algo)             # (the average starts from the fitted whitening)
+    model.train()
+    step, monitor_acc = 0, []
+    for epoch in range(algo.epochs):
+        for x, y in batches:
+            with autocast_for(precision):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=algo.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            schedule.step()
+            step += 1
+            lookahead.update(step)
+            if step == algo.total_steps:
+                break
+        clock.mark_epoch()
+        if monitor_batches is not None and algo.monitors_after(epoch):
+            with monitored(clock, lookahead):
+                monitor_acc.append(evaluate(model, monitor_batches(), "none", lambda: autocast_for(precision))[1])
+    lookahead.finalize()
+    return monitor_acc
 
 
 # --- The Lightning peer: the algorithm as a LightningModule, with the settings Lightning documents for
 # raw speed on a CPU (bf16-mixed where native, else 32-true; barebones; batches from memory; max_steps) ---
 
-def lightning_module(model: nn.Module, algo: Algorithm, clock: Clock | None = None, monitor_batches=None):
-    """``model`` trained with ``algo`` as a LightningModule (TTA counts from Trainer.test)."""
+def make_trainer(algo: Algorithm, precision: str):
     import lightning as L
+    return L.Trainer(accelerator="cpu", devices=1, precision=LIGHTNING_PRECISION[precision], barebones=True,
+                     max_epochs=algo.epochs, max_steps=algo.total_steps, inference_mode=True)
+
+
+def lightning_module(model: nn.Module, algo: Algorithm, clock: Clock | None = None, monitor_batches=None):
+    """``model`` (whitening fitted) trained with ``algo`` as a LightningModule: ``trainer.fit`` leaves the
+    averaged weights in it; ``trainer.test`` counts (correct with TTA, without) in ``correct``."""
+    import lightning as L
+    clock = clock or Clock()
 
     class Cifar10Peer(L.LightningModule):
         def __init__(self):
@@ -343,45 +360,27 @@ def lightning_module(model: nn.Module, algo: Algorithm, clock: Clock | None = No
             return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
         def on_train_start(self) -> None:
-            self.lookahead, self.steps_done = make_lookahead(self.model, algo), 0   # (from the fitted whitening)
+            self.lookahead, self.steps_done = Lookahead(self.model, algo), 0     # (from the fitted whitening)
 
         def training_step(self, batch, batch_idx):
             return F.cross_entropy(self.model(batch[0]).float(), batch[1], label_smoothing=algo.label_smoothing)
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             self.steps_done += 1
-            if self.lookahead is not None:
-                self.lookahead.update(self.steps_done)
+            self.lookahead.update(self.steps_done)
 
         def on_train_epoch_end(self) -> None:
-            if clock is not None:
-                clock.mark_epoch()
+            clock.mark_epoch()
             if monitor_batches is not None and algo.monitors_after(self.current_epoch):
                 with monitored(clock, self.lookahead):
                     forward_context = self.trainer.precision_plugin.forward_context
                     self.monitor_acc.append(evaluate(self.model, monitor_batches(), "none", forward_context)[1])
 
         def on_train_end(self) -> None:
-            if self.lookahead is not None:
-                self.lookahead.finalize()
+            self.lookahead.finalize()
 
         def test_step(self, batch, batch_idx) -> None:
             self.correct += correct_counts(self.model, *batch, algo.tta)
             self.seen += len(batch[1])
 
     return Cifar10Peer()
-
-
-def make_trainer(algo: Algorithm, precision: str):
-    import lightning as L
-    return L.Trainer(accelerator="cpu", devices=1, precision=LIGHTNING_PRECISION[precision], barebones=True,
-                     max_epochs=algo.epochs, max_steps=algo.total_steps, inference_mode=True)
-
-
-def train_lightning(model: nn.Module, algo: Algorithm, batches, precision: str, clock: Clock | None = None,
-                    monitor_batches=None, trainer=None):
-    """Train ``model`` (whitening fitted) on ``batches``, the averaged weights left in it; (trainer, module)."""
-    trainer = trainer or make_trainer(algo, precision)
-    module = lightning_module(model, algo, clock, monitor_batches)
-    trainer.fit(module, train_dataloaders=batches)
-    return trainer, module

@@ -1,20 +1,17 @@
 """speedrun against the loops a careful engineer would write without it: the cifar10-94 algorithm
 trained three ways, one after another, each in a fresh process with the same torch threads.
-``plain``: eager PyTorch from the tutorials (SGD with parameter groups, a per-batch LambdaLR, bf16
-autocast where native, channels_last, whole-batch augmentation in memory); ``lightning``: the same
-under lightning.Trainer (both: peer_algorithm.py on speedrun's network, and tests/test_peers.py
-shows their steps give speedrun's weights); ``speedrun``: ``python -m speedrun train cifar10-94``.
+``plain``: eager PyTorch from the tutorials; ``lightning``: the same under lightning.Trainer (both in
+peer_algorithm.py, on speedrun's network); ``speedrun``: ``python -m speedrun train cifar10-94``.
 
     python benchmarks/peers.py --epochs 9.9 --out FILE.json [--peers plain,lightning,speedrun]
         [--set KEY=VALUE ...] [--precision auto|bf16|fp32] [--rounds N] [--threads N]
-    python benchmarks/peers.py --epochs 1 --limit-train 2048 --limit-test 1000 --out /tmp/smoke.json
+    python benchmarks/peers.py --epochs 1 --data-dir SLICE.npz --out /tmp/smoke.json      (a smoke run)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,17 +21,17 @@ from pathlib import Path
 
 STARTED = time.perf_counter()       # (before torch's import: a child's seconds_before_training include it)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_algorithm import (CHANNELS_LAST, Algorithm, Clock, EvalBatches, Normalise, TrainBatches,  # noqa: E402
-                            LIGHTNING_PRECISION, autocast_for, check_supported, evaluate, load_cifar10,
-                            make_lookahead, make_optimizer, make_trainer, monitored, train_lightning)
+from peer_algorithm import (LIGHTNING_PRECISION, Algorithm, Clock, autocast_for, check_supported,  # noqa: E402
+                            eval_batches, evaluate, first_touch, lightning_module, make_optimizer, make_trainer,
+                            peer_model, train_plain)
 from speedrun.compat import cpu_bf16_units  # noqa: E402
-from speedrun.files import atomic_write_json  # noqa: E402
-from speedrun.models import build_model  # noqa: E402
+from speedrun.data import load_dataset  # noqa: E402
+from speedrun.data.sources.arrays import load_npz  # noqa: E402
+from speedrun.errors import SpeedrunError  # noqa: E402
+from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
 from speedrun.report.environment import machine  # noqa: E402
 
@@ -56,53 +53,11 @@ DEFINITIONS = {
 }
 
 
-# --- The plain peer, and either peer's run in its own process -------------------------------
+# --- Each peer's run, in its own process -----------------------------------------------------
 
-def train_plain(model: torch.nn.Module, algo: Algorithm, optimizer, batches, precision: str = "fp32",
-                clock: Clock | None = None, monitor_batches=None) -> list[float]:
-    """The plain loop: ``algo.total_steps`` steps over ``batches`` (a pass per epoch), the averaged weights
-    left in ``model``; after each epoch but the last, ``monitor_batches()``' accuracy (returned)."""
-    opt, schedule = optimizer
-    lookahead = make_lookahead(model, algo)        # (the average starts from the fitted whitening)
-    model.train()
-    step, monitor_acc = 0, []
-    for epoch in range(algo.epochs):
-        for x, y in batches:
-            with autocast_for(precision):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=algo.label_smoothing)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            schedule.step()
-            step += 1
-            if lookahead is not None:
-                lookahead.update(step)
-            if step == algo.total_steps:
-                break
-        if clock is not None:
-            clock.mark_epoch()
-        if monitor_batches is not None and algo.monitors_after(epoch):
-            with monitored(clock, lookahead):
-                monitor_acc.append(evaluate(model, monitor_batches(), "none", lambda: autocast_for(precision))[1])
-    if lookahead is not None:
-        lookahead.finalize()
-    return monitor_acc
-
-
-def peer_model(recipe, seed: int) -> torch.nn.Module:
-    """speedrun's network for the recipe, initialised from ``seed`` as speedrun initialises it."""
-    torch.manual_seed(seed)
-    return build_model(recipe.model, 3, 10).to(memory_format=CHANNELS_LAST)
-
-
-def first_touch(model: torch.nn.Module, data, algo: Algorithm) -> tuple[Normalise, TrainBatches]:
-    """The first touch of the data, as speedrun's clock counts it: statistics, whitening fit, batch maker."""
-    normalise = Normalise(data.train_x)
-    if getattr(model, "whiten", None) is not None:
-        model.whiten.fit(normalise(data.train_x[:algo.whiten_samples]))
-    return normalise, TrainBatches(data.train_x, data.train_y, normalise, algo.batch_size, algo.translate, algo.flip,
-                                   algo.seed)
+def load_data(data_dir: str):
+    """CIFAR-10 as speedrun reads it: from its folder, or from an .npz of CIFAR-shaped arrays (a slice)."""
+    return load_npz(data_dir) if data_dir.endswith(".npz") else load_dataset("cifar10", data_dir, fetch=False)
 
 
 def run_peer(name: str, recipe, data, precision: str) -> dict:
@@ -110,24 +65,22 @@ def run_peer(name: str, recipe, data, precision: str) -> dict:
     built before the clock, as speedrun's session (a first optimizer imports torch._dynamo: about 1 s)."""
     algo = Algorithm.from_recipe(recipe, len(data.train_y))
     model = peer_model(recipe, algo.seed)
-    if name == "lightning":
-        import lightning
-        trainer = make_trainer(algo, precision)
-    else:
-        optimizer = make_optimizer(model, algo)
+    engine = make_trainer(algo, precision) if name == "lightning" else make_optimizer(model, algo)
     before, clock = time.perf_counter() - STARTED, Clock()
     normalise, batches = first_touch(model, data, algo)
-    monitor = (lambda: EvalBatches(data, normalise, algo.eval_batch)) if algo.monitor_every else None
-    test = EvalBatches(data, normalise, algo.eval_batch)
+    monitor = (lambda: eval_batches(data, normalise, algo.eval_batch)) if algo.monitor_every else None
+    test = eval_batches(data, normalise, algo.eval_batch)
     if name == "plain":
-        monitor_acc = train_plain(model, algo, optimizer, batches, precision, clock, monitor)
+        monitor_acc = train_plain(model, algo, engine, batches, precision, clock, monitor)
         trained = clock.seconds()
         acc_tta, acc = evaluate(model, test, algo.tta, lambda: autocast_for(precision))
         extra = {"autocast": "torch.autocast('cpu', dtype=torch.bfloat16)" if precision == "bf16" else None}
     else:
-        trainer, module = train_lightning(model, algo, batches, precision, clock, monitor, trainer)
+        import lightning
+        module = lightning_module(model, algo, clock, monitor)
+        engine.fit(module, train_dataloaders=batches)
         trained = clock.seconds()
-        trainer.test(module, dataloaders=test, verbose=False)          # (the final TTA accuracy)
+        engine.test(module, dataloaders=test, verbose=False)           # (the final TTA accuracy)
         (acc_tta, acc), monitor_acc = (module.correct.double() / module.seen).tolist(), module.monitor_acc
         extra = {"lightning_version": lightning.__version__, "trainer_precision": LIGHTNING_PRECISION[precision],
                  "trainer": "Trainer(accelerator='cpu', devices=1, barebones=True, max_epochs, max_steps, "
@@ -141,8 +94,9 @@ def run_peer(name: str, recipe, data, precision: str) -> dict:
             "monitor_test_acc": monitor_acc, "flip": algo.flip, "algorithm": algo.describe()}
 
 
-def run_process(cmd: list[str], env: dict, log: Path) -> float:
-    """Run ``cmd`` with its output in ``log``; its wall seconds, from before the start to the exit."""
+def run_process(cmd: list[str], threads: int, log: Path) -> float:
+    """Run ``cmd`` with ``threads`` threads and its output in ``log``; its wall seconds, start to exit."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log, "w") as out:
         t = time.perf_counter()
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
@@ -153,33 +107,29 @@ def run_process(cmd: list[str], env: dict, log: Path) -> float:
     return wall
 
 
-def run_child(args, name: str, precision: str, work: Path, env: dict, tag: str) -> dict:
-    """This script again, training peer ``name`` in its own process; its figures."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--result", str(work / f"{name}{tag}.json"),
-           "--epochs", repr(args.epochs), "--data-dir", args.data_dir, "--precision", precision, "--threads",
-           str(args.threads), *[a for s in args.sets for a in ("--set", s)],
-           *[a for flag, v in (("--limit-train", args.limit_train), ("--limit-test", args.limit_test)) if v
-             for a in (flag, str(v))]]
-    wall = run_process(cmd, env, work / f"{name}{tag}.log")
-    return {**json.loads((work / f"{name}{tag}.json").read_text()), "process_seconds": wall, "command": " ".join(cmd)}
+def run_child(argv: list[str], name: str, precision: str, threads: int, work: Path) -> dict:
+    """This script again, with this run's arguments, training peer ``name`` in its own process; its figures."""
+    result = work / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name, "--result", str(result),
+           "--precision", precision, "--threads", str(threads)]
+    wall = run_process(cmd, threads, work / f"{name}.log")
+    return {**json.loads(result.read_text()), "process_seconds": wall, "command": " ".join(cmd)}
 
 
-def run_speedrun(args, work: Path, env: dict, data_arg: str, tag: str = "") -> dict:
+def run_speedrun(args, work: Path) -> dict:
     """``speedrun train`` as a subprocess; its figures from its summary.json and metrics.jsonl."""
-    run_dir = work / f"speedrun-run{tag}"
     sets = [*overrides(args), *([f"runtime.precision={args.precision}"] if args.precision != "auto" else []),
-            *(["data.dataset=npz"] if args.limit_train or args.limit_test else [])]
+            *(["data.dataset=npz"] if args.data_dir.endswith(".npz") else [])]
     cmd = [sys.executable, "-m", "speedrun", "train", RECIPE, *[a for s in sets for a in ("--set", s)],
-           "--device", "cpu", "--out", str(run_dir), "--data-dir", data_arg]
-    wall = run_process(cmd, env, work / f"speedrun{tag}.log")
-    s = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+           "--device", "cpu", "--out", str(work / "speedrun-run"), "--data-dir", args.data_dir]
+    wall = run_process(cmd, args.threads, work / "speedrun.log")
+    s = json.loads((work / "speedrun-run" / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (work / "speedrun-run" / "metrics.jsonl").read_text().splitlines()]
     recorded, final, images = [m["seconds"] for m in metrics], s["final_eval_seconds"], s["steps"] * s["batch_size"]
     return {"peer": "speedrun", "precision": s["precision"], "threads": s["torch_threads"], "command": " ".join(cmd),
             "process_seconds": wall, "train_seconds": s["train_seconds"], "final_eval_seconds": final,
             "train_seconds_without_final_eval": s["train_seconds"] - final, "monitor_seconds": s["monitor_seconds"],
-            "bookkeeping_seconds": s["bookkeeping_seconds"], "epoch_seconds": recorded[:-1] + [recorded[-1] - final],
-            "epoch_seconds_as_recorded": recorded, "steps": s["steps"], "images_trained": images,
+            "epoch_seconds": recorded[:-1] + [recorded[-1] - final], "steps": s["steps"], "images_trained": images,
             "images_per_s": images / (s["train_seconds"] - final), "test_acc": s["test_acc"],
             "test_acc_no_tta": s["test_acc_no_tta"], "monitor_test_acc": [m["test_acc"] for m in metrics[:-1]],
             "flip": "alternating (the recipe's)", "summary": s}
@@ -197,21 +147,17 @@ def ratios(peers: dict) -> dict:
 
 
 def flop_figures(peers: dict) -> dict:
-    """speedrun's FLOP count and utilisation, the count over each peer's seconds, the peak rechecked."""
+    """speedrun's FLOP count over its training seconds and over each peer's seconds, the peak rechecked at
+    larger products (speedrun's summary holds its count, peak and utilisation)."""
     from speedrun.engine.flops import measured_peak
-    s, est = peers["speedrun"]["summary"], peers["speedrun"]["train_seconds_without_final_eval"]
-    recheck = {}
-    if s["precision"] == "fp32" or cpu_bf16_units():                 # (emulated bf16 would take minutes)
-        recheck = {str(n): measured_peak("cpu", s["precision"], size=n) for n in (1024, 2048)}
-    return {**{k: s.get(k) for k in ("flops_per_train_image", "flops_per_forward_image", "train_flops", "eval_flops",
-                                     "total_flops", "achieved_flops_per_s", "peak_flops_per_s", "peak_source",
-                                     "utilisation", "ideal_seconds")},
-            "peak_precision": s["precision"],
-            "speedrun_training_flops_per_s": s["train_flops"] / est if est > 0 else None,
-            "speedrun_training_utilisation": (s["train_flops"] / est / s["peak_flops_per_s"]
-                                              if est > 0 and s.get("peak_flops_per_s") else None),
+    s, trained = peers["speedrun"]["summary"], peers["speedrun"]["train_seconds_without_final_eval"]
+    fine = s["precision"] == "fp32" or cpu_bf16_units()              # (emulated bf16 would take minutes)
+    return {"peak_precision": s["precision"], "speedrun_training_flops_per_s": s["train_flops"] / trained,
+            "speedrun_training_utilisation": (s["train_flops"] / trained / s["peak_flops_per_s"]
+                                              if s["peak_flops_per_s"] else None),
             "achieved_flops_per_s_by_peer": {k: s["total_flops"] / p["train_seconds"] for k, p in peers.items()},
-            "peak_recheck_flops_per_s_by_size": recheck}
+            "peak_recheck_flops_per_s_by_size": {str(n): measured_peak("cpu", s["precision"], size=n)
+                                                 for n in ((1024, 2048) if fine else ())}}
 
 
 def round_order(peers: list[str], r: int) -> list[str]:
@@ -240,19 +186,17 @@ def round_summary(rounds: list[dict], epochs: float) -> dict:
     return out
 
 
-def parse(argv=None):
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--epochs", type=float, required=True, help="train.epochs for every peer (9.9: the full recipe)")
-    a("--out", type=Path, help="the JSON record to write")
+    a("--out", type=Path, required=True, help="the JSON record to write")
     a("--peers", default=",".join(PEERS), help="which peers, in order (default: all)")
     a("--data-dir", default=os.environ.get("SPEEDRUN_DATA") or str(REPO.parent / "shared" / "datasets"),
-      help="the folder holding cifar-10-batches-py/")
+      help="the folder holding cifar-10-batches-py/, or an .npz of CIFAR-shaped arrays (a smoke run's slice)")
     a("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="an override for every peer")
     a("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where native, else fp32")
     a("--threads", type=int, default=torch.get_num_threads(), help="torch threads in every peer")
-    a("--limit-train", type=int, help="smoke runs: only the first N training images")
-    a("--limit-test", type=int, help="smoke runs: only the first N test images")
     a("--rounds", type=int, default=1, help="every peer this many times, the order rotated each round: medians")
     a("--child", choices=["plain", "lightning"], help=argparse.SUPPRESS)
     a("--result", type=Path, help=argparse.SUPPRESS)
@@ -264,39 +208,36 @@ def overrides(args) -> list[str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
+    recipe = load_recipe(RECIPE, overrides(args))
     if args.child:                              # a peer's own process
         torch.set_num_threads(args.threads)
-        data = load_cifar10(args.data_dir, args.limit_train, args.limit_test)
-        atomic_write_json(args.result, run_peer(args.child, load_recipe(RECIPE, overrides(args)), data, args.precision))
+        atomic_write_json(args.result, run_peer(args.child, recipe, load_data(args.data_dir), args.precision))
         return 0
     peers = args.peers.split(",")
-    if args.out is None or args.rounds < 1 or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
-        raise SystemExit(f"peers: give --out FILE.json, --rounds 1 or more and --peers from {', '.join(PEERS)}")
-    check_supported(load_recipe(RECIPE, overrides(args)))
+    if args.rounds < 1 or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
+        raise SystemExit(f"peers: error: give --rounds 1 or more and --peers from {', '.join(PEERS)}, each once")
+    check_supported(recipe)
+    try:
+        check_output_file(args.out, "--out")
+    except SpeedrunError as err:
+        raise SystemExit(f"peers: error: {err}")
     precision = args.precision if args.precision != "auto" else ("bf16" if cpu_bf16_units() else "fp32")
-    work, smoke = Path(tempfile.mkdtemp(prefix="peers-")), bool(args.limit_train or args.limit_test)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     record = {"benchmark": "speedrun against a plain PyTorch loop and a Lightning Trainer, same algorithm",
               "recipe": RECIPE, "overrides": overrides(args), "epochs": args.epochs, "threads": args.threads,
-              "precision": precision, "bf16_units": list(cpu_bf16_units()), "smoke": smoke,
-              "limit_train": args.limit_train, "limit_test": args.limit_test, "order": peers,
+              "precision": precision, "bf16_units": list(cpu_bf16_units()), "data": args.data_dir, "order": peers,
               "definitions": DEFINITIONS, "environment": machine(), "peers": {}}
-    try:
-        data_arg = args.data_dir
-        if smoke and "speedrun" in peers:       # the slice as an .npz for speedrun, which trains what --data-dir names
-            d, data_arg = load_cifar10(args.data_dir, args.limit_train, args.limit_test), str(work / "slice.npz")
-            np.savez(data_arg, x_train=d.train_x.numpy(), y_train=d.train_y.numpy(), x_test=d.test_x.numpy(),
-                     y_test=d.test_y.numpy(), classes=np.array([str(i) for i in range(10)]))
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         for r in range(args.rounds):
-            tag = f"-{r + 1}" if r else ""
-            done = {"order": round_order(peers, r), "peers": {}}
+            done, work = {"order": round_order(peers, r), "peers": {}}, Path(tmp) / f"round-{r + 1}"
+            work.mkdir()
             if args.rounds > 1:
                 record.setdefault("rounds", []).append(done)
             for name in done["order"]:
                 print(f"peers: round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                result = done["peers"][name] = (run_speedrun(args, work, env, data_arg, tag) if name == "speedrun"
-                                                else run_child(args, name, precision, work, env, tag))
+                result = done["peers"][name] = (run_speedrun(args, work) if name == "speedrun"
+                                                else run_child(argv, name, precision, args.threads, work))
                 done["ratios_to_speedrun"] = ratios(done["peers"])
                 if r == 0:                      # the first round, as a one-round record has it
                     record["peers"], record["ratios_to_speedrun"] = done["peers"], done["ratios_to_speedrun"]
@@ -309,8 +250,6 @@ def main(argv=None) -> int:
             if r == 0 and "speedrun" in record["peers"]:
                 record["flops"] = flop_figures(record["peers"])
                 atomic_write_json(args.out, record)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(record.get("summary") or record.get("ratios_to_speedrun", {}), indent=2))
     return 0
 

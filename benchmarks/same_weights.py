@@ -9,14 +9,14 @@ tensor by tensor with torch.equal, and the accuracies.
         --out benchmarks/results/same-weights-BASE-cifar10-94-<cpu>.json [-- --set train.epochs=0.1 ...]
 
 Each ``--setting NAME:KEY=VALUE@KEY=VALUE`` is one pair of runs (default: the recipe as it is);
-the arguments after ``--`` go to every run. The record holds, per setting, both runs' test
-accuracies, their train_seconds (timing is not the point here: both trees ran one after the
-other on the same machine), and ``identical``: every tensor of the state dict equal, with the
-names of any that differ. Exit code 1 when any setting's weights differ.
+the arguments after ``--`` go to every run. The record holds, per setting, both runs' accuracies
+and train_seconds (both trees ran one after the other here), and ``identical``: every tensor of
+the state dict equal, with the names of any that differ. Exit code 1 when any setting differs.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -27,44 +27,39 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE / "src"))
 
+import torch  # noqa: E402
+
+from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.report.environment import machine  # noqa: E402
 
 
-def train(tree: Path, recipe: str, sets: list[str], extra: list[str], data_dir: str | None, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(out.parent / f"inductor-{out.name}")
-    cmd = [sys.executable, "-m", "speedrun", "train", recipe, "--out", str(out), *extra]
-    cmd += [a for s in sets for a in ("--set", s)]
-    if data_dir:
-        cmd += ["--data-dir", data_dir]
+def train(tree: Path, args, sets: list[str], out: Path) -> dict:
+    """``speedrun train`` from ``tree`` into ``out``, in its own process; what its summary says."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"),
+               TORCHINDUCTOR_CACHE_DIR=str(out.parent / f"inductor-{out.name}"))
+    cmd = [sys.executable, "-m", "speedrun", "train", args.recipe, "--out", str(out), *args.extra,
+           *[a for s in sets for a in ("--set", s)], *(["--data-dir", args.data_dir] if args.data_dir else [])]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"same_weights: {tree}: speedrun train failed (exit {proc.returncode}):\n"
+        raise SystemExit(f"same_weights: error: {tree}: speedrun train failed (exit {proc.returncode}):\n"
                          f"{proc.stderr[-3000:]}")
-    import json
-    summary = json.loads((out / "summary.json").read_text())
-    return {"process_wall_seconds": time.perf_counter() - t0, "test_acc": summary["test_acc"],
-            "test_acc_no_tta": summary.get("test_acc_no_tta"), "train_seconds": summary["train_seconds"],
-            "steps": summary.get("steps"), "git_commit": summary.get("git_commit"), "git_dirty": summary.get("git_dirty"),
-            "command": " ".join(cmd[1:])}
+    s = json.loads((out / "summary.json").read_text())
+    keys = ("test_acc", "test_acc_no_tta", "train_seconds", "steps", "git_commit", "git_dirty")
+    return {"process_wall_seconds": time.perf_counter() - t0, **{k: s.get(k) for k in keys}, "command": " ".join(cmd[1:])}
 
 
-def compare_weights(a: Path, b: Path) -> tuple[bool, list[str]]:
-    import torch
-    wa = torch.load(a, map_location="cpu", weights_only=True)
-    wb = torch.load(b, map_location="cpu", weights_only=True)
+def differing_tensors(a: Path, b: Path) -> list[str]:
+    """The names of the state-dict tensors that two weight files do not hold equal (or hold only one of)."""
+    wa, wb = (torch.load(f, map_location="cpu", weights_only=True) for f in (a, b))
     wa, wb = wa.get("model", wa), wb.get("model", wb)
-    differ = sorted(k for k in set(wa) | set(wb)
-                    if k not in wa or k not in wb or not torch.equal(wa[k], wb[k]))
-    return not differ, differ
+    return sorted(k for k in set(wa) | set(wb) if k not in wa or k not in wb or not torch.equal(wa[k], wb[k]))
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+def main() -> int:
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog="same_weights", description=__doc__.split("\n\n")[0])
     p.add_argument("base_tree", type=Path, help="a tree holding src/speedrun of the other commit")
     p.add_argument("base_commit", help="that commit, for the record")
@@ -72,35 +67,32 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir")
     p.add_argument("--setting", action="append", default=[], metavar="NAME:KEY=VALUE@...")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    args = p.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
     if not (args.base_tree / "src" / "speedrun").is_dir():
         p.error(f"{args.base_tree}: no src/speedrun in it (git archive COMMIT src | tar -x -C DIR)")
-    check_output_file(args.out, "--out")
-    settings = []
-    for spec in args.setting or ["recipe"]:
-        name, _, tail = spec.partition(":")
-        settings.append((name, [s for s in tail.split("@") if s]))
+    try:
+        check_output_file(args.out, "--out")
+    except SpeedrunError as err:
+        p.error(str(err))
     record = {"benchmark": "same_weights: speedrun train from two trees, trained weights compared bit for bit",
               "script": "benchmarks/same_weights.py", "recipe": args.recipe, "base_commit": args.base_commit,
-              "extra": extra, "environment": machine(), "settings": []}
-    ok = True
+              "extra": args.extra, "environment": machine(), "settings": []}
     with tempfile.TemporaryDirectory(prefix="same-weights-") as tmp:
-        for name, sets in settings:
-            runs = {}
+        for spec in args.setting or ["recipe"]:
+            name, _, tail = spec.partition(":")
+            sets, runs = [s for s in tail.split("@") if s], {}
             for side, tree in (("base", args.base_tree.resolve()), ("this", HERE)):
-                out = Path(tmp) / f"{name}-{side}"
                 print(f"== {name}: {side} ({tree})", flush=True)
-                runs[side] = train(tree, args.recipe, sets, extra, args.data_dir, out)
-            same, differ = compare_weights(Path(tmp) / f"{name}-base" / "model.pt",
-                                           Path(tmp) / f"{name}-this" / "model.pt")
-            ok &= same and runs["base"]["test_acc"] == runs["this"]["test_acc"]
-            record["settings"].append({"setting": name, "sets": sets, "runs": runs, "identical": same,
+                runs[side] = train(tree, args, sets, Path(tmp) / f"{name}-{side}")
+            differ = differing_tensors(*(Path(tmp) / f"{name}-{side}" / "model.pt" for side in ("base", "this")))
+            record["settings"].append({"setting": name, "sets": sets, "runs": runs, "identical": not differ,
                                        "differing_tensors": differ,
                                        "same_test_acc": runs["base"]["test_acc"] == runs["this"]["test_acc"]})
-            print(f"{name}: weights {'identical' if same else 'DIFFER: ' + ', '.join(differ[:5])}; test accuracy "
+            print(f"{name}: weights {'DIFFER: ' + ', '.join(differ[:5]) if differ else 'identical'}; test accuracy "
                   f"{runs['base']['test_acc']:.4%} / {runs['this']['test_acc']:.4%}", flush=True)
             atomic_write_json(args.out, record)
-    return 0 if ok else 1
+    return 0 if all(s["identical"] and s["same_test_acc"] for s in record["settings"]) else 1
 
 
 if __name__ == "__main__":

@@ -7,14 +7,14 @@ loop makes after every step.
     python benchmarks/step_structure.py --stop-check [--calls 2000] [--out FILE.json]
 
 Structure, for cifar10-94, cifar10-94-fast and imagenet-resnet50 in fp32, bf16 and fp16 (CPU
-autocast with the loss scale), eager and compiled, and bf16 with train.accumulate=2: graph
+autocast with the loss scale), eager and compiled, then compiled with train.accumulate=2 (and
+with --ddp data-parallel) in bf16, or in the first of --precisions where bf16 is not asked: graph
 breaks, compiled regions, eager ATen ops outside them and host syncs per step (the maximum over
-the steps of a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow
-nets (the counts do not depend on width); then milliseconds per step at the recipes' own widths.
-Data: the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled
-to 64 px for imagenet-resnet50. The stop check (StopAgreement.signal) is timed alone, 5 rounds
-of ``--calls`` calls: in one process (a flag read), then in two torchrun processes (gloo)
-all-reducing one integer held on the CPU.
+a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow nets (the
+counts do not depend on width); then ms per step at the recipes' own widths. Data: the first
+2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled to 64 px for
+imagenet-resnet50. The stop check (StopAgreement.signal): 5 rounds of ``--calls`` calls in one
+process (a flag read), then in two torchrun processes (gloo) all-reducing one integer.
 """
 from __future__ import annotations
 
@@ -98,18 +98,18 @@ def torchrun(worker: list[str], processes: int = 2) -> list[dict]:
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
-def ddp_row(name: str, sets: list[str], backend: str, processes: int = 2) -> dict:
-    """The structure of one data-parallel step, bf16 compiled, measured in each of ``processes``
-    torchrun workers (gloo); rank 0's counts are returned with every rank's region count."""
-    ranks = torchrun(["--ddp-worker", name, "--backend", backend, *sum((["--ddp-set", s] for s in sets), [])],
-                     processes)
+def ddp_row(name: str, sets: list[str], args, precision: str) -> dict:
+    """The structure of one data-parallel step, compiled, measured in each of two torchrun workers
+    (gloo), with the row's ``sets`` after --set's; rank 0's counts with every rank's regions."""
+    ranks = torchrun(["--ddp-worker", name, "--backend", args.backend, "--precisions", precision,
+                      *sum((["--set", s] for s in [*args.set, *sets]), [])])
     row = ranks[0]
-    row["processes"], row["ddp_sets"] = processes, sets
+    row["processes"], row["ddp_sets"] = len(ranks), sets
     row["compiled_regions_per_step_by_rank"] = [r["compiled_regions_per_step"] for r in ranks]
     return row
 
 
-def ddp_worker(args) -> int:
+def ddp_worker(args, precision: str) -> int:
     """One torchrun process: a data-parallel structure row, or the stop check's rounds."""
     from speedrun.engine import distributed
     world = distributed.detect()
@@ -119,7 +119,7 @@ def ddp_worker(args) -> int:
             agreement, stop = StopAgreement(world), StopSignals()
             row = {"us": time_calls(lambda: agreement.signal(stop.received), args.calls)}
         else:
-            row = one(args.ddp_worker, "bf16", True, args.backend, args.ddp_set, world=world)
+            row = one(args.ddp_worker, precision, True, args.backend, args.set, world=world)
     finally:
         distributed.stop()
     atomic_write_json(args.ddp_out / f"rank{world.rank}.json", row)
@@ -141,11 +141,6 @@ def time_calls(check, calls: int) -> list[float]:
 
 def stop_check(calls: int, out: Path, env: dict) -> int:
     """The stop check's microseconds per call in one process and in two (torchrun, gloo)."""
-    try:
-        check_output_file(out, "--out")
-    except SpeedrunError as err:
-        print(f"step_structure: error: {err}", file=sys.stderr)
-        return 2
     torch.set_num_threads(1)
     one_process, stop = StopAgreement(World()), StopSignals()
     record = {"what": "microseconds per call of the loop's stop check (StopAgreement.signal), 5 rounds",
@@ -158,11 +153,17 @@ def stop_check(calls: int, out: Path, env: dict) -> int:
     return 0
 
 
+def counts(row: dict) -> str:
+    return (f"breaks {row['graph_breaks']} regions {row['compiled_regions_per_step']} eager ops "
+            f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--only", action="append", help="a recipe (repeatable)")
-    p.add_argument("--precisions", default="fp32,bf16,fp16")
+    p.add_argument("--precisions", default="fp32,bf16,fp16",
+                   help="the accumulate and data-parallel rows: bf16, or the first of these without bf16")
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed per recipe at full width (0: none)")
     p.add_argument("--no-structure", action="store_true", help="only the timing")
     p.add_argument("--timing-precisions", default="fp32,bf16")
@@ -172,70 +173,61 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=2000, help="--stop-check: calls per round")
     p.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     p.add_argument("--ddp-out", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--ddp-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for every row (e.g. the GPU levers: model.global_pool_grad=select)")
     p.add_argument("--out", type=Path, help="the record (default: results/step-structure-CPU.json; --stop-check: "
                                             "results/stop-check-CPU-COMMIT.json, never overwritten)")
     args = p.parse_args()
+    precisions = args.precisions.split(",")
+    lead = "bf16" if "bf16" in precisions else precisions[0]         # (the accumulate and data-parallel rows)
     if args.ddp_worker:
-        return ddp_worker(args)
+        return ddp_worker(args, lead)
     env = machine()
     cpu = re.sub(r"[^a-z0-9]+", "-", f"{env['cpu_model']} {env['cpu_family_model']}".lower()).strip("-")
     if args.stop_check:
         commit = (env.get("git_commit") or "")[:7]
-        return stop_check(args.calls, args.out or RESULTS / f"stop-check-{cpu}{'-' if commit else ''}{commit}.json",
-                          env)
+        out = args.out or RESULTS / f"stop-check-{cpu}{'-' if commit else ''}{commit}.json"
+        try:
+            check_output_file(out, "--out")
+        except SpeedrunError as err:
+            p.error(str(err))
+        return stop_check(args.calls, out, env)
     out = args.out or RESULTS / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
-    rows, timing, ddp = [], [], []
-    if (args.ddp_only or args.no_structure) and out.exists():      # a partial run keeps the record's other parts
-        old = json.loads(out.read_text())
-        rows = old.get("rows", [])
-        timing = old.get("timing", []) if args.ddp_only else []
-        ddp = old.get("ddp", [])
+    old = json.loads(out.read_text()) if (args.ddp_only or args.no_structure) and out.exists() else {}
     record = {"what": "structure of one training step (TrainStep) per recipe, precision and mode: graph breaks, "
                       "compiled regions per step, eager ATen compute ops per step outside compiled regions, host "
                       "syncs per step (max over the counted steps of a real epoch); then ms per step (wall, after "
                       "the warm-up) eager vs compiled at the recipes' own widths",
-              "environment": env, "backend": args.backend, "rows": rows, "timing": timing, "ddp": ddp}
-
+              "environment": env, "backend": args.backend, "rows": old.get("rows", []),
+              "timing": old.get("timing", []) if args.ddp_only else [], "ddp": old.get("ddp", [])}
+    # (a partial run, --ddp-only or --no-structure, keeps the record's other parts)
+    structure = [(precision, compiled, []) for precision in precisions for compiled in (False, True)]
+    structure.append((lead, True, ["train.accumulate=2"]))
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
-        for precision in args.precisions.split(","):
-            for compiled in (False, True):
-                row = one(name, precision, compiled, args.backend, args.set)
-                rows.append(row)
-                print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} breaks {row['graph_breaks']} "
-                      f"regions {row['compiled_regions_per_step']} eager ops {row['eager_ops_per_step']} "
-                      f"syncs {row['host_syncs_per_step']}", flush=True)
-                atomic_write_json(out, record)
-        row = one(name, "bf16", True, args.backend, [*args.set, "train.accumulate=2"])
-        rows.append(row)
-        print(f"{name:18} bf16  compiled accumulate=2: regions {row['compiled_regions_per_step']} "
-              f"eager ops {row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        atomic_write_json(out, record)
+        for precision, compiled, sets in structure:
+            row = one(name, precision, compiled, args.backend, [*args.set, *sets])
+            record["rows"].append(row)
+            print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} {' '.join(sets)} {counts(row)}",
+                  flush=True)
+            atomic_write_json(out, record)
     for name, sets in DDP_ROWS if args.ddp or args.ddp_only else []:
-        if name not in recipes:
-            continue
-        row = ddp_row(name, sets, args.backend)
-        ddp[:] = [r for r in ddp if (r["recipe"], r.get("ddp_sets", [])) != (name, sets)] + [row]
-        print(f"{name:18} bf16  compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: breaks "
-              f"{row['graph_breaks']} regions {row['compiled_regions_per_step_by_rank']} eager ops "
-              f"{row['eager_ops_per_step']} syncs {row['host_syncs_per_step']}", flush=True)
-        atomic_write_json(out, record)
-    if args.timed_steps and not args.ddp_only:
-        for name in recipes:
-            for precision in args.timing_precisions.split(","):
-                for compiled in (False, True):
-                    row = one(name, precision, compiled, args.backend, args.set, timed_steps=args.timed_steps,
-                              steps=1)
-                    timing.append({k: row[k] for k in ("recipe", "precision", "compiled", "backend", "overrides",
-                                                       "ms_per_step", "build_and_warm_up_seconds")})
-                    ms = row["ms_per_step"]
-                    print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} "
-                          f"{sum(ms) / len(ms):9.1f} ms/step (min {min(ms):.1f}) warm-up "
-                          f"{row['build_and_warm_up_seconds']:.1f} s", flush=True)
-                    atomic_write_json(out, record)
+        if name in recipes:
+            row = ddp_row(name, sets, args, lead)
+            record["ddp"] = [r for r in record["ddp"] if (r["recipe"], r.get("ddp_sets", [])) != (name, sets)] + [row]
+            print(f"{name:18} {lead:5} compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: "
+                  f"{counts(row)}, regions by rank {row['compiled_regions_per_step_by_rank']}", flush=True)
+            atomic_write_json(out, record)
+    for name in recipes if args.timed_steps and not args.ddp_only else []:
+        for precision in args.timing_precisions.split(","):
+            for compiled in (False, True):
+                row = one(name, precision, compiled, args.backend, args.set, timed_steps=args.timed_steps, steps=1)
+                record["timing"].append({k: row[k] for k in ("recipe", "precision", "compiled", "backend",
+                                                             "overrides", "ms_per_step", "build_and_warm_up_seconds")})
+                ms = row["ms_per_step"]
+                print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} {sum(ms) / len(ms):9.1f} "
+                      f"ms/step (min {min(ms):.1f}) warm-up {row['build_and_warm_up_seconds']:.1f} s", flush=True)
+                atomic_write_json(out, record)
     print(f"record: {out}")
     return 0
 

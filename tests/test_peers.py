@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import peers  # noqa: E402
-from peer_algorithm import (Algorithm, Normalise, TrainBatches, make_optimizer, random_translate,  # noqa: E402
-                            tta_logits)
+from peer_algorithm import (Algorithm, Normalise, TrainBatches, first_touch, lightning_module,  # noqa: E402
+                            make_optimizer, make_trainer, peer_model, random_translate, tta_logits, train_plain)
 from speedrun.data.augment.batch import crop, reflect_pad  # noqa: E402
 from speedrun.data.pipeline.resident import ResidentData  # noqa: E402
 from speedrun.engine.evaluate import tta_logits as speedrun_tta_logits  # noqa: E402
@@ -85,11 +85,11 @@ def test_plain_steps_give_the_weights_of_speedruns_train_step(cifar_slice):
     assert (algo.total_steps, algo.epochs, algo.whiten_steps, algo.lookahead[0]) == (10, 2, 4, 5)
     session = Session(recipe, cifar_slice, Runtime(CPU, "fp32", False, True))   # eager fp32, channels_last
     step = session.step
-    plain = peers.peer_model(recipe, recipe.train.seed)
+    plain = peer_model(recipe, recipe.train.seed)
     assert worst_relative_error(plain.state_dict(), session.model.state_dict())[0] == 0    # same start
 
     # the same data preparation: normalisation statistics and the whitening fit
-    normalise, batches = peers.first_touch(plain, cifar_slice, algo)
+    normalise, batches = first_touch(plain, cifar_slice, algo)
     resident = ResidentData(cifar_slice, CPU, torch.float32, torch.channels_last)
     torch.testing.assert_close(normalise.mean.flatten(), resident.mean, rtol=1e-6, atol=0)
     torch.testing.assert_close(normalise.std.flatten(), resident.std, rtol=1e-6, atol=0)
@@ -119,26 +119,26 @@ def test_plain_steps_give_the_weights_of_speedruns_train_step(cifar_slice):
                           algo.flip, algo.seed)                           # the same seed: the same batches
     train_speedrun_steps(step, replay, algo.total_steps)
     step.averager.finalize()
-    peers.train_plain(plain, algo, (opt, schedule), batches, "fp32")
+    train_plain(plain, algo, (opt, schedule), batches, "fp32")
     worst, where = worst_relative_error(plain.state_dict(), session.model.state_dict())
     assert worst < TOLERANCE, f"{where}: relative error {worst:.2e}"
-    start = peers.peer_model(recipe, recipe.train.seed).head.weight
+    start = peer_model(recipe, recipe.train.seed).head.weight
     assert (plain.head.weight - start).norm() > 0.01 * start.norm()      # (and the steps did train)
 
 
 def test_lightning_steps_give_the_plain_loops_weights(cifar_slice):
     require_lightning()
-    from peer_algorithm import train_lightning
     recipe = load_recipe("cifar10-94", NARROW + STEPS)
     algo = Algorithm.from_recipe(recipe, 2048)
     models = {}
     for name in ("plain", "lightning"):
-        model = peers.peer_model(recipe, recipe.train.seed)
-        _, batches = peers.first_touch(model, cifar_slice, algo)
+        model = peer_model(recipe, recipe.train.seed)
+        _, batches = first_touch(model, cifar_slice, algo)
         if name == "plain":
-            peers.train_plain(model, algo, make_optimizer(model, algo), batches, "fp32")
+            train_plain(model, algo, make_optimizer(model, algo), batches, "fp32")
         else:
-            trainer, module = train_lightning(model, algo, batches, "fp32")
+            trainer, module = make_trainer(algo, "fp32"), lightning_module(model, algo)
+            trainer.fit(module, train_dataloaders=batches)
             assert trainer.global_step == module.steps_done == algo.total_steps
         models[name] = model
     worst, where = worst_relative_error(models["lightning"].state_dict(), models["plain"].state_dict())
@@ -155,7 +155,7 @@ def test_augmentation_and_tta_match_speedruns(cifar_slice):
     assert ours.is_contiguous(memory_format=torch.channels_last)
 
     recipe = load_recipe("cifar10-94", NARROW)
-    model = peers.peer_model(recipe, 0).eval()
+    model = peer_model(recipe, 0).eval()
     x = images.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         for tta in ("none", "flip", "flip_translate"):
@@ -213,3 +213,14 @@ def test_the_rounds_rotate_and_their_summary_is_the_medians_the_kept_records_hol
             assert again["medians"][name] == pytest.approx(medians)
         for key in ("fastest_peer_per_epoch", "fastest_peer_final_eval"):
             assert again[key] == kept[key]
+
+
+def test_a_bad_peer_list_or_an_existing_record_is_refused_in_one_line_writing_nothing(tmp_path):
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    for args, says in ((["--peers", "plain,plain"], "each once"), (["--rounds", "0"], "--rounds 1 or more"),
+                       ([], "already exists"), (["--set", "augment.mixup=0.2"], "do not implement")):
+        with pytest.raises(SystemExit) as stop:
+            peers.main(["--epochs", "1", "--out", str(kept), *args])
+        assert says in str(stop.value) and str(stop.value).startswith("peers:")
+    assert kept.read_text() == "{}" and sorted(tmp_path.iterdir()) == [kept]
