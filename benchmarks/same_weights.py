@@ -47,7 +47,8 @@ def train(tree: Path, args, sets: list[str], out: Path) -> dict:
                          f"{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
     keys = ("test_acc", "test_acc_no_tta", "train_seconds", "steps", "git_commit", "git_dirty")
-    return {"process_wall_seconds": time.perf_counter() - t0, **{k: s.get(k) for k in keys}, "command": " ".join(cmd[1:])}
+    return {"process_wall_seconds": time.perf_counter() - t0, **{k: s.get(k) for k in keys},
+            "command": " ".join(cmd[1:])}
 
 
 def differing_tensors(a: Path, b: Path) -> list[str]:

@@ -212,8 +212,8 @@ def main() -> int:
         "recipe": args.recipe, "cold_cache": args.cold_cache, "busy_processes": args.busy,
         "systems": {name: {"source": str(src) if src else "this checkout", "commit": commits[name]}
                     for name, src in args.systems},
-        "command": " ".join(["speedrun", "train", args.recipe, *(["--data-dir", args.data_dir] if args.data_dir else []),
-                             *args.extra]),
+        "command": " ".join(["speedrun", "train", args.recipe,
+                             *(["--data-dir", args.data_dir] if args.data_dir else []), *args.extra]),
         "runs": runs, "summary": summary, "environment": environ}
     atomic_write_json(args.out, record)
     print(json.dumps(summary, indent=2))
