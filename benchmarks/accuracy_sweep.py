@@ -58,7 +58,8 @@ def summarize(variants: list[dict], runs: list[dict]) -> dict:
         mine = [r for r in runs if r["variant"] == v["name"]]
         accs = [r["test_acc"] for r in mine if "test_acc" in r]
         row = {**describe(accs), "target": v["target"],
-               "p_value_mean_at_least_target": p_mean_at_least(accs, v["target"]), "runs_not_done": len(mine) - len(accs), "runs_not_started": v["seeds"] - len(mine)}
+               "p_value_mean_at_least_target": p_mean_at_least(accs, v["target"]),
+               "runs_not_done": len(mine) - len(accs), "runs_not_started": v["seeds"] - len(mine)}
         first = firsts.setdefault(v["recipe"], (v["name"], accs))
         if first[0] != v["name"] and len(accs) >= 2 and len(first[1]) >= 2:
             row["against"] = {"variant": first[0], **welch(first[1], accs)}
