@@ -1,14 +1,6 @@
 """speedrun's CIFAR-10 recipes against peers' own scripts, or variants of a recipe on random
-CIFAR-shaped data: each system or variant in its own fresh process, one after another, its
-warm-up then N timed runs, in one JSON record whose ``definitions`` say what each figure holds.
-
-    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --system peer:PATH/airbench94_muon.py#210 \\
-        --system 'speedrun:cifar10-94-fast[@KEY=VALUE...]#75' [--pair A:B] [--budget S] [--out FILE.json]
-    python benchmarks/gpu_record.py --synthetic --recipe cifar10-94-fast --variant base \\
-        --variant 'graphs:runtime.cuda_graphs=on#60' --runs 5 [--profile] [--out FILE.json]
-
-``#SECONDS`` is a time limit, ``--budget`` the call's; without ``--out`` the record goes to $OUT;
-``@FILE`` reads arguments from a file (benchmarks/lending/). The options: benchmarks/README.md.
+CIFAR-shaped data, each in its own fresh process: its warm-up, then N timed runs, in one JSON
+record whose ``definitions`` say what each figure holds. Usage and options: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -164,9 +156,8 @@ def check_data(data_dir: str | None) -> Path:
 # ---- children: each in its own process group, stopped at its limit within the budget -------
 
 def slot(args, limit: float | None) -> tuple[float | None, str | None] | str:
-    """(seconds after its start at which a child is stopped, by what), or why it may not start: with
-    --budget, one with a limit starts only if the limit fits in what is left, one without while
-    any is left, and is stopped where the budget ends."""
+    """(seconds after which a child is stopped, by what), or why it may not start: with --budget, a limit
+    must fit in what is left; without one, a child starts while any is left and stops where it ends."""
     if args.budget is None:
         return limit, "its limit" if limit else None
     left = args.budget - (time.perf_counter() - args.started)
@@ -187,9 +178,8 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_child(cmd: list[str], log: Path, limit: tuple, entry: dict, cwd: Path | None) -> tuple[int, str, bool]:
-    """One process, its output kept in ``log`` and its last lines echoed (indented) when it ends,
-    its group stopped at the limit: (exit code, its last lines, whether it was stopped). The entry
-    gets its command, limit and whole-process seconds."""
+    """One process, its output in ``log``, its group stopped at the limit: (exit code, its last lines,
+    whether it was stopped); the entry gets its command, limit and whole-process seconds."""
     stop_after, stopped_by = limit
     entry.update(command=" ".join(["python", *cmd[1:]]), limit_seconds=stop_after, limit_from=stopped_by)
     path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
@@ -222,9 +212,8 @@ def from_bench(bench: dict) -> dict:
 
 
 def run_system(args, s: System, limit: tuple, base: str) -> dict:
-    """One system or variant in its own process (``base`` names its files in the work folder);
-    its entry, marked cut where its process was stopped at its limit, the runs it finished kept.
-    The peer runner and the variant child write their entry's figures as they are."""
+    """One system or variant in its own process (``base`` names its files in the work folder): its
+    entry as the child wrote it, marked cut where it was stopped at its limit, its finished runs kept."""
     from speedrun.report.environment import gpu_clocks
     work, sets = args.work_dir, [*args.sets, *s.overrides]
     result, cwd, read = work / f"{base}.json", None, dict
@@ -289,8 +278,7 @@ def run_each(args, record: dict, systems: list[System]) -> None:
 # ---- figures -------------------------------------------------------------------------------
 
 def summarize(runs: list[dict]) -> dict:
-    """Mean, sd and 95% interval (speedrun.bench.stats), median, min and max of the seconds and
-    the TTA accuracy over the finished runs; the recompiles in them (None where one is unknown)."""
+    """Mean, sd, 95% interval, median, min and max of the seconds and accuracy; the runs' recompiles."""
     from speedrun.bench.stats import describe, describe_times      # (scipy: once something ran)
     out = {"runs": len(runs)}
     for key, stats in (("seconds", describe_times), ("test_acc", describe)):
@@ -304,8 +292,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
-    """A over B for each pair whose systems both have runs: the mean and median time ratios, both
-    accuracies, Welch's tests, and a paired t-test of the accuracy over the seeds both ran."""
+    """A over B where both ran: time ratios, accuracies, Welch's tests, a paired t-test over shared seeds."""
     from scipy import stats
 
     from speedrun.bench.stats import welch
@@ -397,8 +384,7 @@ def synthetic_variants(args) -> tuple[list[System], dict]:
 
 
 def write_data(args, record: dict, systems: list[System]) -> None:
-    """The random data of --synthetic, else the peers' cifar10/*.pt (before the first peer: the
-    time counts against the budget), in the work folder."""
+    """The random data of --synthetic, else the peers' cifar10/*.pt, in the work folder (in the budget)."""
     t0, work = time.perf_counter(), args.work_dir
     if args.synthetic:
         import numpy as np
@@ -418,9 +404,7 @@ def write_data(args, record: dict, systems: list[System]) -> None:
         for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
             atomic_torch_save(folder / f"{split}.pt", {"images": x.permute(0, 2, 3, 1).contiguous(), "labels": y,
                                                        "classes": data.classes})
-        record["airbench_data"] = {"from": data.source, "folder": str(folder), "seconds": time.perf_counter() - t0,
-                                   "format": "dict: images uint8 N x 32 x 32 x 3 (NHWC, as torchvision's "
-                                             "CIFAR10.data), labels int64 N, classes list of 10 names"}
+        record["airbench_data"] = {"from": data.source, "folder": str(folder), "seconds": time.perf_counter() - t0}
 
 
 # ---- the child: one variant in its own process, optionally profiled ------------------------
@@ -435,29 +419,24 @@ CUDA_KINDS = (("convolution", "triton_tem.*conv"), ("matmul", "triton_tem"), ("f
               ("reduction", "reduce|reduction"), ("elementwise", "elementwise|vectorized|unrolled"))
 """CUDA kernels by a pattern in their (lower-case) name, the first match counting: inductor's templates
 (``triton_tem``) are convolutions or matmuls, its other ``triton_`` kernels fused."""
+ATEN = r"^aten::({})(_backward|_out|_)*$"
 CPU_KINDS = (("fused", "compiledfxgraph|torch-compiled region|compiledfunction|cpp_fused|inductor|## call"),
              ("optimizer", r"optimizer\.|_foreach_|fused_sgd|fused_adam"), ("convolution", "conv"),
              ("matmul", "addmm|aten::mm|bmm|matmul|aten::linear|mmbackward|aten::addmv"), ("batch norm", "batch_?norm"),
-             ("copy/fill", "memcpy|memset"))
-CPU_OPS = {kind: set(names.split()) for kind, names in (
-    ("copy/fill", "copy fill zero zeros zeros_like ones ones_like full full_like to _to_copy clone cat stack "
-                  "contiguous constant_pad_nd reflection_pad2d index index_select gather scatter"),
-    ("reduction", "sum mean amax amin max min argmax argmin norm linalg_vector_norm var var_mean std any all prod "
-                  "cumsum topk sort nll_loss cross_entropy_loss"),
-    ("elementwise", "add sub rsub mul div neg exp log sqrt rsqrt pow clamp lerp addcmul addcdiv sigmoid tanh relu gelu "
-                    "silu threshold where abs sign eq ne lt le gt ge maximum minimum flip reciprocal masked_fill "
-                    "log_softmax softmax hardtanh"))}
-"""The other CPU ops by their ATen name (without ``aten::``, a trailing ``_``, ``_backward``, ``_out``)."""
+             ("copy/fill", "memcpy|memset|" + ATEN.format("copy|fill|zeros?(_like)?|ones(_like)?|full(_like)?|to"
+                                                          "|_to_copy|clone|cat|stack|contiguous|constant_pad_nd"
+                                                          "|reflection_pad2d|index|index_select|gather|scatter")),
+             ("reduction", ATEN.format("sum|mean|amax|amin|max|min|argmax|argmin|norm|linalg_vector_norm|var|var_mean"
+                                       "|std|any|all|prod|cumsum|topk|sort|nll_loss|cross_entropy_loss")),
+             ("elementwise", ATEN.format("r?sub|add|mul|div|neg|exp|log|r?sqrt|pow|clamp|lerp|addc(mul|div)|sigmoid"
+                                         "|tanh|relu|gelu|silu|threshold|where|abs|sign|eq|ne|lt|le|gt|ge|maximum"
+                                         "|minimum|flip|reciprocal|masked_fill|(log_)?softmax|hardtanh")))
+"""CPU ops: compiled regions, then by name; the plain ones by their ATen name (``_``, ``_backward``, ``_out`` aside)."""
 
 
 def kind_of(name: str, cuda: bool) -> str:
     """The kind of a CUDA kernel (``cuda``) or of a CPU op, from its name."""
-    n = name.lower()
-    kind = next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, n)), None)
-    if kind or cuda:
-        return kind or "other"
-    base = n.removeprefix("aten::").rstrip("_").removesuffix("_backward").removesuffix("_out")
-    return next((k for k, names in CPU_OPS.items() if base in names), "other")
+    return next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, name.lower())), "other")
 
 
 def breakdown(events, cuda: bool, steps: int, run_seconds: float, wall_seconds: float) -> dict:
@@ -583,8 +562,7 @@ def parse(argv=None):
     p.add_argument("--commit", help="the commit the record names (default: $SPEEDRUN_COMMIT, else git rev-parse HEAD)")
     p.add_argument("--out", type=Path, help="the JSON record (default: in $OUT, where it is set)")
     p.add_argument("--work", type=Path, help="keep the work folder (logs, bench folders, data) here")
-    p.add_argument("--budget", type=float, help="the call's seconds: a system starts only if its limit fits in what "
-                                                "is left; one without a limit is stopped at the end")
+    p.add_argument("--budget", type=float, help="the call's seconds: a system starts only if its limit fits")
     p.add_argument("--limit", type=float, help="each system's or variant's limit in seconds (SPEC#SECONDS: its own)")
     p.add_argument("--child-variant", type=Path, metavar="RESULT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
