@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -31,9 +30,8 @@ from speedrun.files import atomic_torch_save, atomic_write_json, check_output_fi
 from speedrun.recipe import load_recipe  # noqa: E402
 
 DEFINITIONS = {
-    "speedrun.seconds": "speedrun bench's train+eval: from the first touch of the training data on the device (channel "
-                        "statistics, whitening) to the final TTA accuracy, synchronised, per-epoch monitoring "
-                        "evaluations paused out; the data reaches the device before, as the peers' before their timers",
+    "speedrun.seconds": "speedrun bench's train+eval: from the first touch of the data already on the device (as the "
+                        "peers') to the final TTA accuracy, synchronised, monitoring evaluations paused out",
     "speedrun.warmup_seconds": "speedrun bench's compile_seconds: compiling and running every shape once",
     "peer.seconds": "the peer script's own timer (airbench: time_seconds / total_time_seconds: whitening, training "
                     "epochs and the final TTA evaluation; not its per-epoch evaluations, not data loading)",
@@ -44,8 +42,8 @@ DEFINITIONS = {
     "cut": "stopped at limit_seconds (limit_from: its own limit or --budget); summarised over the runs it finished",
     "pairs.time_ratio": "mean seconds of A over mean seconds of B (each system's own timed region)",
     "synthetic.seconds": "as speedrun.seconds, on the random data; build_and_warmup_seconds adds building the model",
-    "synthetic.profile": "one more run under torch.profiler (slowed by it): CUDA: device events by kind; CPU: ops' own "
-                         "time by kind; kernels_per_step: device events (CPU: leaf ops) between step marks per step",
+    "synthetic.profile": "one more run under torch.profiler (slowed by it): kernel (CPU: op self) time by kind, "
+                         "kernels (CPU: leaf ops) per step between step marks",
 }
 SYSTEM_FORMS = "speedrun:RECIPE[@KEY=VALUE...][#SECONDS] or peer:PATH/TO/SCRIPT.py[#SECONDS]"
 SYNTHETIC_SETS = ["eval.every=0", "data.dataset=npz"]
@@ -313,7 +311,7 @@ def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
         if seeds:
             diffs = [sa[k] - sb[k] for k in seeds]
             p = (float(stats.ttest_rel([sa[k] for k in seeds], [sb[k] for k in seeds]).pvalue)
-                 if len(seeds) >= 2 and statistics.pstdev(diffs) > 0 else math.nan)
+                 if len(seeds) >= 2 and statistics.pstdev(diffs) > 0 else float("nan"))
             fig["paired"] = {"seeds": seeds, "test_acc_diff_mean": statistics.fmean(diffs), "test_acc_diff_p": p}
         out.append(fig)
     return out
