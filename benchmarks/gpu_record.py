@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -355,8 +355,6 @@ def real_systems(args) -> tuple[list[System], dict]:
     args.pairs = [parse_pair(p, systems) for p in args.pair]
     args.batches = check_data(args.data_dir) if any(s.kind == "peer" or s.dataset == "cifar10"
                                                     for s in systems) else None
-    if systems != given:
-        print("== max-autotune warm-ups first: " + ", ".join(s.name for s in systems if s.long_warmup), flush=True)
     return systems, {"benchmark": "speedrun's recipes against peers' own scripts, one after another, each system in "
                                   "its own fresh process", "runs_per_system": args.runs,
                      "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
@@ -537,8 +535,7 @@ class Parser(argparse.ArgumentParser):
     """Arguments from ``@FILE`` too: one or more a line, split as a shell does; ``#`` lines are comments."""
 
     def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
-        line = arg_line.strip()
-        return [] if not line or line.startswith("#") else shlex.split(line)
+        return [] if arg_line.lstrip().startswith("#") else shlex.split(arg_line)
 
 
 def parse(argv=None):
@@ -590,9 +587,8 @@ def main(argv=None) -> int:
               "limits": {s.name: s.limit for s in systems}, "order": [s.name for s in systems],
               "definitions": DEFINITIONS, "environment": machine(args.commit, commit_source),
               "gpu_before": gpu_clocks(), "left_out": [], **part}
-    with nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(
-            prefix="gpu-record-", ignore_cleanup_errors=True) as work:       # (--work is kept)
-        args.work_dir = Path(work).resolve()
+    with tempfile.TemporaryDirectory(prefix="gpu-record-", ignore_cleanup_errors=True) as temporary:
+        args.work_dir = (args.work or Path(temporary)).resolve()            # (--work is kept)
         args.work_dir.mkdir(parents=True, exist_ok=True)
         write_data(args, record, systems)
         run_each(args, record, systems)

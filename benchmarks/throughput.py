@@ -223,8 +223,7 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
                                "workers' start in the warm steps)",
                   "busy": "profile steps after the blocks under torch.profiler (see busy.what)",
                   "decode": "open_source with data.cache=on, data.decoder=torchvision: every file decoded once"},
-        "bar": BAR,
-        "recipe": recipe.name, "recipe_config": recipe.to_dict(), "runtime": runtime.describe(),
+        "bar": BAR, "recipe": recipe.name, "recipe_config": recipe.to_dict(), "runtime": runtime.describe(),
         "batch": recipe.data.batch_size, "image_size": recipe.data.image_size, "params": params,
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
         "model_step": alone, "pipelines": [streamed, gpu],
@@ -330,8 +329,7 @@ def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
                   "pipeline_images_per_second": "steps x batch / (train_seconds - final_eval_seconds)",
                   "model_step": "the run's TrainStep alone (another process) at each training size; its images/s: "
                                 "steps x batch / the sum over sizes of the run's steps x median seconds per step"},
-        "bar": BAR,
-        "recipes": recipes, "overrides": args.sets, "cold_compile": args.cold_compile, "runs": runs,
+        "bar": BAR, "recipes": recipes, "overrides": args.sets, "cold_compile": args.cold_compile, "runs": runs,
         "model_step": steps, "failed": [f"{r['recipe']} run {r['run']}" for r in runs if not r["ok"]]
         + [f"{k} model step" for k, v in steps.items() if not v["ok"]]}
 
