@@ -1,21 +1,12 @@
 """speedrun's CIFAR-10 recipes against peers' own scripts, or variants of a recipe on random
-CIFAR-shaped data: each system or variant in its own fresh process, one after another, its
-warm-up then N timed runs, in one JSON record whose ``definitions`` say what each figure holds.
-
-    python benchmarks/gpu_record.py --runs 10 --data-dir DIR --system peer:PATH/airbench94_muon.py#210 \\
-        --system 'speedrun:cifar10-94-fast[@KEY=VALUE...]#75' [--pair A:B] [--budget S] [--out FILE.json]
-    python benchmarks/gpu_record.py --synthetic --recipe cifar10-94-fast --variant base \\
-        --variant 'graphs:runtime.cuda_graphs=on#60' --runs 5 [--profile] [--out FILE.json]
-
-``#SECONDS`` is a time limit, ``--budget`` the call's; without ``--out`` the record goes to $OUT;
-``@FILE`` reads arguments from a file (benchmarks/lending/). The options: benchmarks/README.md.
+CIFAR-shaped data, each in its own fresh process: its warm-up, then N timed runs, in one JSON
+record whose ``definitions`` say what each figure holds. Usage and options: benchmarks/README.md.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -26,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,9 +30,8 @@ from speedrun.files import atomic_torch_save, atomic_write_json, check_output_fi
 from speedrun.recipe import load_recipe  # noqa: E402
 
 DEFINITIONS = {
-    "speedrun.seconds": "speedrun bench's train+eval: from the first touch of the training data on the device (channel "
-                        "statistics, whitening) to the final TTA accuracy, synchronised, per-epoch monitoring "
-                        "evaluations paused out; the data reaches the device before, as the peers' before their timers",
+    "speedrun.seconds": "speedrun bench's train+eval: from the first touch of the data already on the device (as the "
+                        "peers') to the final TTA accuracy, synchronised, monitoring evaluations paused out",
     "speedrun.warmup_seconds": "speedrun bench's compile_seconds: compiling and running every shape once",
     "peer.seconds": "the peer script's own timer (airbench: time_seconds / total_time_seconds: whitening, training "
                     "epochs and the final TTA evaluation; not its per-epoch evaluations, not data loading)",
@@ -52,8 +42,8 @@ DEFINITIONS = {
     "cut": "stopped at limit_seconds (limit_from: its own limit or --budget); summarised over the runs it finished",
     "pairs.time_ratio": "mean seconds of A over mean seconds of B (each system's own timed region)",
     "synthetic.seconds": "as speedrun.seconds, on the random data; build_and_warmup_seconds adds building the model",
-    "synthetic.profile": "one more run under torch.profiler (slowed by it): CUDA: device events by kind; CPU: ops' own "
-                         "time by kind; kernels_per_step: device events (CPU: leaf ops) between step marks per step",
+    "synthetic.profile": "one more run under torch.profiler (slowed by it): kernel (CPU: op self) time by kind, "
+                         "kernels (CPU: leaf ops) per step between step marks",
 }
 SYSTEM_FORMS = "speedrun:RECIPE[@KEY=VALUE...][#SECONDS] or peer:PATH/TO/SCRIPT.py[#SECONDS]"
 SYNTHETIC_SETS = ["eval.every=0", "data.dataset=npz"]
@@ -164,9 +154,8 @@ def check_data(data_dir: str | None) -> Path:
 # ---- children: each in its own process group, stopped at its limit within the budget -------
 
 def slot(args, limit: float | None) -> tuple[float | None, str | None] | str:
-    """(seconds after its start at which a child is stopped, by what), or why it may not start: with
-    --budget, one with a limit starts only if the limit fits in what is left, one without while
-    any is left, and is stopped where the budget ends."""
+    """(seconds after which a child is stopped, by what), or why it may not start: with --budget, a limit
+    must fit in what is left; without one, a child starts while any is left and stops where it ends."""
     if args.budget is None:
         return limit, "its limit" if limit else None
     left = args.budget - (time.perf_counter() - args.started)
@@ -187,9 +176,8 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_child(cmd: list[str], log: Path, limit: tuple, entry: dict, cwd: Path | None) -> tuple[int, str, bool]:
-    """One process, its output kept in ``log`` and its last lines echoed (indented) when it ends,
-    its group stopped at the limit: (exit code, its last lines, whether it was stopped). The entry
-    gets its command, limit and whole-process seconds."""
+    """One process, its output in ``log``, its group stopped at the limit: (exit code, its last lines,
+    whether it was stopped); the entry gets its command, limit and whole-process seconds."""
     stop_after, stopped_by = limit
     entry.update(command=" ".join(["python", *cmd[1:]]), limit_seconds=stop_after, limit_from=stopped_by)
     path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
@@ -222,9 +210,8 @@ def from_bench(bench: dict) -> dict:
 
 
 def run_system(args, s: System, limit: tuple, base: str) -> dict:
-    """One system or variant in its own process (``base`` names its files in the work folder);
-    its entry, marked cut where its process was stopped at its limit, the runs it finished kept.
-    The peer runner and the variant child write their entry's figures as they are."""
+    """One system or variant in its own process (``base`` names its files in the work folder): its
+    entry as the child wrote it, marked cut where it was stopped at its limit, its finished runs kept."""
     from speedrun.report.environment import gpu_clocks
     work, sets = args.work_dir, [*args.sets, *s.overrides]
     result, cwd, read = work / f"{base}.json", None, dict
@@ -289,8 +276,7 @@ def run_each(args, record: dict, systems: list[System]) -> None:
 # ---- figures -------------------------------------------------------------------------------
 
 def summarize(runs: list[dict]) -> dict:
-    """Mean, sd and 95% interval (speedrun.bench.stats), median, min and max of the seconds and
-    the TTA accuracy over the finished runs; the recompiles in them (None where one is unknown)."""
+    """Mean, sd, 95% interval, median, min and max of the seconds and accuracy; the runs' recompiles."""
     from speedrun.bench.stats import describe, describe_times      # (scipy: once something ran)
     out = {"runs": len(runs)}
     for key, stats in (("seconds", describe_times), ("test_acc", describe)):
@@ -304,8 +290,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
-    """A over B for each pair whose systems both have runs: the mean and median time ratios, both
-    accuracies, Welch's tests, and a paired t-test of the accuracy over the seeds both ran."""
+    """A over B where both ran: time ratios, accuracies, Welch's tests, a paired t-test over shared seeds."""
     from scipy import stats
 
     from speedrun.bench.stats import welch
@@ -326,7 +311,7 @@ def pair_figures(pairs: list[tuple[str, str]], entries: dict) -> list[dict]:
         if seeds:
             diffs = [sa[k] - sb[k] for k in seeds]
             p = (float(stats.ttest_rel([sa[k] for k in seeds], [sb[k] for k in seeds]).pvalue)
-                 if len(seeds) >= 2 and statistics.pstdev(diffs) > 0 else math.nan)
+                 if len(seeds) >= 2 and statistics.pstdev(diffs) > 0 else float("nan"))
             fig["paired"] = {"seeds": seeds, "test_acc_diff_mean": statistics.fmean(diffs), "test_acc_diff_p": p}
         out.append(fig)
     return out
@@ -370,8 +355,6 @@ def real_systems(args) -> tuple[list[System], dict]:
     args.pairs = [parse_pair(p, systems) for p in args.pair]
     args.batches = check_data(args.data_dir) if any(s.kind == "peer" or s.dataset == "cifar10"
                                                     for s in systems) else None
-    if systems != given:
-        print("== max-autotune warm-ups first: " + ", ".join(s.name for s in systems if s.long_warmup), flush=True)
     return systems, {"benchmark": "speedrun's recipes against peers' own scripts, one after another, each system in "
                                   "its own fresh process", "runs_per_system": args.runs,
                      "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
@@ -397,8 +380,7 @@ def synthetic_variants(args) -> tuple[list[System], dict]:
 
 
 def write_data(args, record: dict, systems: list[System]) -> None:
-    """The random data of --synthetic, else the peers' cifar10/*.pt (before the first peer: the
-    time counts against the budget), in the work folder."""
+    """The random data of --synthetic, else the peers' cifar10/*.pt, in the work folder (in the budget)."""
     t0, work = time.perf_counter(), args.work_dir
     if args.synthetic:
         import numpy as np
@@ -418,9 +400,7 @@ def write_data(args, record: dict, systems: list[System]) -> None:
         for split, x, y in (("train", data.train_x, data.train_y), ("test", data.test_x, data.test_y)):
             atomic_torch_save(folder / f"{split}.pt", {"images": x.permute(0, 2, 3, 1).contiguous(), "labels": y,
                                                        "classes": data.classes})
-        record["airbench_data"] = {"from": data.source, "folder": str(folder), "seconds": time.perf_counter() - t0,
-                                   "format": "dict: images uint8 N x 32 x 32 x 3 (NHWC, as torchvision's "
-                                             "CIFAR10.data), labels int64 N, classes list of 10 names"}
+        record["airbench_data"] = {"from": data.source, "folder": str(folder), "seconds": time.perf_counter() - t0}
 
 
 # ---- the child: one variant in its own process, optionally profiled ------------------------
@@ -435,29 +415,24 @@ CUDA_KINDS = (("convolution", "triton_tem.*conv"), ("matmul", "triton_tem"), ("f
               ("reduction", "reduce|reduction"), ("elementwise", "elementwise|vectorized|unrolled"))
 """CUDA kernels by a pattern in their (lower-case) name, the first match counting: inductor's templates
 (``triton_tem``) are convolutions or matmuls, its other ``triton_`` kernels fused."""
+ATEN = r"^aten::({})(_backward|_out|_)*$"
 CPU_KINDS = (("fused", "compiledfxgraph|torch-compiled region|compiledfunction|cpp_fused|inductor|## call"),
              ("optimizer", r"optimizer\.|_foreach_|fused_sgd|fused_adam"), ("convolution", "conv"),
              ("matmul", "addmm|aten::mm|bmm|matmul|aten::linear|mmbackward|aten::addmv"), ("batch norm", "batch_?norm"),
-             ("copy/fill", "memcpy|memset"))
-CPU_OPS = {kind: set(names.split()) for kind, names in (
-    ("copy/fill", "copy fill zero zeros zeros_like ones ones_like full full_like to _to_copy clone cat stack "
-                  "contiguous constant_pad_nd reflection_pad2d index index_select gather scatter"),
-    ("reduction", "sum mean amax amin max min argmax argmin norm linalg_vector_norm var var_mean std any all prod "
-                  "cumsum topk sort nll_loss cross_entropy_loss"),
-    ("elementwise", "add sub rsub mul div neg exp log sqrt rsqrt pow clamp lerp addcmul addcdiv sigmoid tanh relu gelu "
-                    "silu threshold where abs sign eq ne lt le gt ge maximum minimum flip reciprocal masked_fill "
-                    "log_softmax softmax hardtanh"))}
-"""The other CPU ops by their ATen name (without ``aten::``, a trailing ``_``, ``_backward``, ``_out``)."""
+             ("copy/fill", "memcpy|memset|" + ATEN.format("copy|fill|zeros?(_like)?|ones(_like)?|full(_like)?|to"
+                                                          "|_to_copy|clone|cat|stack|contiguous|constant_pad_nd"
+                                                          "|reflection_pad2d|index|index_select|gather|scatter")),
+             ("reduction", ATEN.format("sum|mean|amax|amin|max|min|argmax|argmin|norm|linalg_vector_norm|var|var_mean"
+                                       "|std|any|all|prod|cumsum|topk|sort|nll_loss|cross_entropy_loss")),
+             ("elementwise", ATEN.format("r?sub|add|mul|div|neg|exp|log|r?sqrt|pow|clamp|lerp|addc(mul|div)|sigmoid"
+                                         "|tanh|relu|gelu|silu|threshold|where|abs|sign|eq|ne|lt|le|gt|ge|maximum"
+                                         "|minimum|flip|reciprocal|masked_fill|(log_)?softmax|hardtanh")))
+"""CPU ops: compiled regions, then by name; the plain ones by their ATen name (``_``, ``_backward``, ``_out`` aside)."""
 
 
 def kind_of(name: str, cuda: bool) -> str:
     """The kind of a CUDA kernel (``cuda``) or of a CPU op, from its name."""
-    n = name.lower()
-    kind = next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, n)), None)
-    if kind or cuda:
-        return kind or "other"
-    base = n.removeprefix("aten::").rstrip("_").removesuffix("_backward").removesuffix("_out")
-    return next((k for k, names in CPU_OPS.items() if base in names), "other")
+    return next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, name.lower())), "other")
 
 
 def breakdown(events, cuda: bool, steps: int, run_seconds: float, wall_seconds: float) -> dict:
@@ -560,8 +535,7 @@ class Parser(argparse.ArgumentParser):
     """Arguments from ``@FILE`` too: one or more a line, split as a shell does; ``#`` lines are comments."""
 
     def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
-        line = arg_line.strip()
-        return [] if not line or line.startswith("#") else shlex.split(line)
+        return [] if arg_line.lstrip().startswith("#") else shlex.split(arg_line)
 
 
 def parse(argv=None):
@@ -583,8 +557,7 @@ def parse(argv=None):
     p.add_argument("--commit", help="the commit the record names (default: $SPEEDRUN_COMMIT, else git rev-parse HEAD)")
     p.add_argument("--out", type=Path, help="the JSON record (default: in $OUT, where it is set)")
     p.add_argument("--work", type=Path, help="keep the work folder (logs, bench folders, data) here")
-    p.add_argument("--budget", type=float, help="the call's seconds: a system starts only if its limit fits in what "
-                                                "is left; one without a limit is stopped at the end")
+    p.add_argument("--budget", type=float, help="the call's seconds: a system starts only if its limit fits")
     p.add_argument("--limit", type=float, help="each system's or variant's limit in seconds (SPEC#SECONDS: its own)")
     p.add_argument("--child-variant", type=Path, metavar="RESULT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -614,9 +587,8 @@ def main(argv=None) -> int:
               "limits": {s.name: s.limit for s in systems}, "order": [s.name for s in systems],
               "definitions": DEFINITIONS, "environment": machine(args.commit, commit_source),
               "gpu_before": gpu_clocks(), "left_out": [], **part}
-    with nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(
-            prefix="gpu-record-", ignore_cleanup_errors=True) as work:       # (--work is kept)
-        args.work_dir = Path(work).resolve()
+    with tempfile.TemporaryDirectory(prefix="gpu-record-", ignore_cleanup_errors=True) as temporary:
+        args.work_dir = (args.work or Path(temporary)).resolve()            # (--work is kept)
         args.work_dir.mkdir(parents=True, exist_ok=True)
         write_data(args, record, systems)
         run_each(args, record, systems)

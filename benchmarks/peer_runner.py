@@ -1,14 +1,9 @@
-"""Run a peer's own airbench-style script, unmodified, in this process, as gpu_record.py does for
-each peer (a fresh process, started in a folder holding cifar10/train.pt and test.pt):
+"""Run a peer's own airbench-style script, unmodified, in this process (gpu_record.py starts one per
+peer, in a folder holding cifar10/train.pt and test.pt): its ``__main__`` block's set-up, then
+``main("warmup", ...)`` and N timed ``main(run, ...)`` calls, each run's own timer and ``tta_val_acc``
+read from its final ``print_training_details`` entry. How: benchmarks/README.md.
 
     python benchmarks/peer_runner.py SCRIPT.py --runs N --result RESULT.json
-
-The statements above ``if __name__ == "__main__":`` run as a module; the block's statements before
-its first call of ``main`` run unchanged (models built, compiled), then ``main("warmup", ...)``
-(even where the block has none) and N times ``main(run, ...)`` with the block's own arguments,
-each run's own timer and ``tta_val_acc`` read from its final ``print_training_details`` entry.
-The result (gpu_record.py's entry for the peer) is written after every run. Of speedrun only its
-file writer is imported: nothing that sets torch up runs before the peer's own code.
 """
 from __future__ import annotations
 
@@ -43,11 +38,9 @@ def is_warmup(call: ast.Call) -> bool:
 
 
 def plan_script(source: str, name: str) -> dict:
-    """``head`` (a module of the statements above the last ``if __name__ == "__main__":``),
-    ``setup`` (one of the block's statements before its first call of ``main``), ``args`` and
-    ``keywords`` (source of what its per-run call passes after the run number) and
-    ``warmup_in_script`` (whether it calls ``main("warmup", ...)`` itself); :class:`PeerError`
-    naming what is missing. The modules keep the file's line numbers, so tracebacks name them."""
+    """``head`` (the statements above the last ``__main__`` block), ``setup`` (the block's before its
+    first ``main`` call), the per-run call's ``args`` and ``keywords``, ``warmup_in_script``; or
+    :class:`PeerError`. The modules keep the file's line numbers, so tracebacks name them."""
     try:
         tree = ast.parse(source, filename=name)
     except SyntaxError as err:
@@ -78,7 +71,7 @@ def plan_script(source: str, name: str) -> dict:
 
 
 def check_script(path: Path) -> dict:
-    """The plan for the script at ``path`` (gpu_record.py checks every peer so before any system runs)."""
+    """The plan for the script at ``path`` (gpu_record.py checks every peer before any system runs)."""
     try:
         return plan_script(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError) as err:
@@ -99,12 +92,8 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     sys.path.insert(0, str(script.parent))
     t0 = time.perf_counter()
     exec(compile(plan["head"], str(script), "exec"), module.__dict__)
-    result = {"script": str(script), "cwd": os.getcwd(),
-              "main_block": {k: v for k, v in plan.items() if k not in ("head", "setup")},
-              "import_seconds": time.perf_counter() - t0, "environment": {
-                  "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-                  "gpu_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                  "python_version": sys.version.split()[0], "torch_threads": torch.get_num_threads()}}
+    result = {"script": str(script), "cwd": os.getcwd(), "import_seconds": time.perf_counter() - t0,
+              "main_block": {k: v for k, v in plan.items() if k not in ("head", "setup")}}
     if not plan["warmup_in_script"]:
         result["note"] = ("its __main__ block makes no warm-up call; main('warmup', ...) was run before the timed "
                           "runs all the same, as for every system")

@@ -1,13 +1,7 @@
 """Training throughput on one device: a recipe's model step alone against what feeds it, on a
-synthetic folder of photo-like JPEGs (written with Pillow into a temporary folder).
-
-    python benchmarks/throughput.py pipelines [--recipe imagenet-resnet50] [--batch 256] --out FILE.json
-    python benchmarks/throughput.py runs [--recipes imagenette,folder] [--runs 1] --out FILE.json
-
-``pipelines``: one Session of the recipe, its step alone on a device-resident random batch, then
-fed by the streamed pipeline and by the folder decoded once on the GPU. ``runs``: each recipe's
-whole ``speedrun train`` process against its model step alone at the run's own sizes (in another
-process). benchmarks/README.md says what each figure covers.
+synthetic folder of photo-like JPEGs. ``pipelines``: one Session's step alone, then fed by the
+streamed pipeline and by the folder decoded once on the GPU; ``runs``: whole ``speedrun train``
+processes against their model step alone. Usage and what each figure covers: benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -114,9 +107,8 @@ def photo_folder(root: Path, args, train_per_class: int) -> dict:
 # --- Timing on the device: blocks of steps, the model step alone ------------------------
 
 def timed_region(session, once, args, batch: int, profile: bool = True) -> dict:
-    """``args.repeats`` blocks of ``args.steps`` calls of ``once`` (a training step; the device
-    synchronised at both ends of each block, the step rewound before it, so none runs past the
-    schedule's end) after ``args.warm`` untimed ones; then ``args.profile_steps`` under the profiler."""
+    """``args.repeats`` blocks of ``args.steps`` calls of ``once`` (a training step, rewound before each
+    block, synchronised at both ends) after ``args.warm`` untimed ones; then ``args.profile_steps`` profiled."""
     rt, step, graphs = session.runtime, session.step, compiled_graphs()
     step.rewind()
     for _ in range(args.warm):
@@ -141,8 +133,7 @@ def timed_region(session, once, args, batch: int, profile: bool = True) -> dict:
 
 
 def model_step(session, side: int, args, profile: bool = True, in_step_size: int | None = None) -> dict:
-    """The session's TrainStep on one device-resident random batch of ``side`` px
-    (``in_step_size``: where the step shrinks it to)."""
+    """The session's TrainStep on one device-resident random batch of ``side`` px (shrunk to ``in_step_size``)."""
     rt, src, batch = session.runtime, session.source, session.local_batch
     gen = torch.Generator(device=rt.device).manual_seed(0)
     x = torch.randn(batch, src.in_channels, side, side, generator=gen, device=rt.device)
@@ -166,8 +157,7 @@ def bound(pipeline_rate: float, model_rate: float) -> dict:
 # --- pipelines: one Session, its step alone and fed by each pipeline --------------------
 
 def fed_region(session, args) -> dict:
-    """The session's step, each batch from its source's pipeline as a run takes it (the workers'
-    decoding and crops, the move to the device, the device-side augmentation)."""
+    """The session's step, each batch from its source's pipeline as a run takes it."""
     batches = real_batches(session)
 
     def once():
@@ -228,15 +218,12 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
     return {
         "benchmark": "ResNet-50 training throughput on one device: the model step alone and fed by speedrun's "
                      "pipelines from a synthetic ImageNet-like JPEG folder",
-        "timed": {"model_step": "the recipe's TrainStep on one device-resident random batch, in blocks of "
-                                "steps_per_block steps after warm_steps untimed ones, synchronised at both ends",
-                  "pipelines": "the same step in the same blocks, each batch from the pipeline as speedrun train "
-                               "takes it; the warm steps include starting the workers",
+        "timed": {"model_step": "the TrainStep on one device-resident random batch, blocks synchronised at both ends",
+                  "pipelines": "the same step and blocks, each batch from the pipeline as a run takes it (and its "
+                               "workers' start in the warm steps)",
                   "busy": "profile steps after the blocks under torch.profiler (see busy.what)",
                   "decode": "open_source with data.cache=on, data.decoder=torchvision: every file decoded once"},
-        "bar": BAR,
-        "recipe": recipe.name, "recipe_config": recipe.to_dict(),
-        "runtime": runtime.describe(),
+        "bar": BAR, "recipe": recipe.name, "recipe_config": recipe.to_dict(), "runtime": runtime.describe(),
         "batch": recipe.data.batch_size, "image_size": recipe.data.image_size, "params": params,
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
         "model_step": alone, "pipelines": [streamed, gpu],
@@ -270,8 +257,7 @@ def child(cmd: list[str], work: Path, env: dict) -> tuple[subprocess.CompletedPr
 
 
 def model_step_child(args) -> int:
-    """(Its own process) a run's TrainStep alone at each of its training sizes, built from the
-    run's config.toml and cache as the run built it; the figures to --out."""
+    """(Its own process) a run's TrainStep alone at each of its training sizes, from its config.toml; to --out."""
     plan = plan_run(load_recipe(str(args.model_step)), None, pick_device(args.device), fit_batch=False)
     recipe, source, runtime = plan.recipe, plan.source, plan.runtime
     t0 = time.perf_counter()
@@ -304,8 +290,7 @@ def model_step_process(run_dir: Path, work: Path, env: dict, args) -> dict:
 
 
 def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
-    """``speedrun train RECIPE``, each run in its own process with an empty decoded-folder cache,
-    timed from outside and by its summary.json; the model step alone after a recipe's first run."""
+    """``speedrun train RECIPE`` in its own process per run (an empty decoded-folder cache), then its model step."""
     runs, steps = [], {}
     for recipe in recipes:
         for i in range(args.runs):
@@ -344,8 +329,7 @@ def whole_runs(args, recipes, device, work: Path, made: dict) -> dict:
                   "pipeline_images_per_second": "steps x batch / (train_seconds - final_eval_seconds)",
                   "model_step": "the run's TrainStep alone (another process) at each training size; its images/s: "
                                 "steps x batch / the sum over sizes of the run's steps x median seconds per step"},
-        "bar": BAR,
-        "recipes": recipes, "overrides": args.sets, "cold_compile": args.cold_compile, "runs": runs,
+        "bar": BAR, "recipes": recipes, "overrides": args.sets, "cold_compile": args.cold_compile, "runs": runs,
         "model_step": steps, "failed": [f"{r['recipe']} run {r['run']}" for r in runs if not r["ok"]]
         + [f"{k} model step" for k, v in steps.items() if not v["ok"]]}
 
@@ -372,8 +356,7 @@ def parse(argv):
         a("--warm", type=int, help="untimed steps before the blocks" + d)
         a("--profile-steps", type=int, default=5, help="steps under torch.profiler" + d)
         a("--classes", type=int, help="class folders" + d)
-        a("--images-per-class", type=int, help="training JPEGs per class (default: enough that one epoch holds "
-          "every timed batch)" if one else "training JPEGs per class" + d)
+        a("--images-per-class", type=int, help="training JPEGs per class" + ("" if one else d))
         a("--val-per-class", type=int, help="validation JPEGs per class" + d)
         a("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
         a("--device", choices=["cuda", "cpu"], help="default: cuda when available")
