@@ -143,7 +143,7 @@ def stop_check(calls: int, out: Path, env: dict) -> int:
     """The stop check's microseconds per call in one process and in two (torchrun, gloo)."""
     torch.set_num_threads(1)
     one_process, stop = StopAgreement(World()), StopSignals()
-    record = {"what": "microseconds per call of the loop's stop check (StopAgreement.signal), 5 rounds",
+    record = {"script": "step_structure.py", "what": "microseconds per call of the loop's stop check, 5 rounds",
               "calls_per_round": calls, "one_process_us": time_calls(lambda: one_process.signal(stop.received), calls)}
     record["two_processes_gloo_us"] = torchrun(["--ddp-worker", "stop-check", "--calls", str(calls)])[0]["us"]
     record.update(median_us={k: statistics.median(record[k]) for k in ("one_process_us", "two_processes_gloo_us")},

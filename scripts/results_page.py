@@ -369,6 +369,8 @@ SECTIONS = [  # (title, what its records measured, [(table id, title, headers)])
         "compiled (inductor), by precision: graph breaks / compiled regions / eager ops / host syncs per step"]),
       ("step_timing", "CPU milliseconds per training step, eager and compiled",
        ["record", *WHERE, "recipe", "precision", "eager, ms: median", "compiled, ms: median"]),
+      ("stop_check", "The stop check after every step (`benchmarks/step_structure.py --stop-check`)",
+       ["record", *WHERE, "calls per round", "one process, µs: median of rounds", "two processes (gloo), µs: median"]),
       ("step_levers", "Levers of an eager CPU step (`benchmarks/cpu_step_levers.py`): step time ratio",
        ["record", *WHERE, "recipe", "lever", "ratio by training size"]),
       ("step_cuda_graphs", "Compiled graphs' inputs (`benchmarks/cuda_graph_inputs.py`)",
@@ -678,6 +680,12 @@ def step_structure(d: dict, rec: Record):
                for (recipe, precision), ms in timing.items()])
 
 
+def stop_check(d: dict, rec: Record):
+    """`step_structure.py --stop-check`: microseconds per call of the loop's stop check."""
+    m = d["median_us"]
+    return [("stop_check", [str(d["calls_per_round"]), num(m["one_process_us"]), num(m["two_processes_gloo_us"])])]
+
+
 def tta_views(d: dict, rec: Record):
     """`tta_views.py`: per recipe and view set, accuracy and seconds at each share of the test images."""
     out, by_recipe = [], {}
@@ -809,6 +817,7 @@ KINDS = [
     (lambda d: "mutated_not_static_total" in ((d.get("rows") or [{}])[0] or {}), cuda_graph_inputs,
      "cuda_graph_inputs.py"),
     (lambda d: has(d, "rows", "timing"), step_structure, "step_structure.py"),
+    (lambda d: has(d, "one_process_us", "median_us"), stop_check, "stop_check.py"),     # (since: "script" names it)
     (lambda d: has(d, "base_commit", "recipes"), step_time_vs, "step_time_vs.py"),
     (lambda d: sum(1 for v in d.values() if isinstance(v, dict) and "ops_per_step" in v) == 2, step_ops,
      "step_ops_vs.py"),

@@ -434,6 +434,9 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_structure.py"), "--stop-check",
                             "--out", str(stop)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already exists" in again.stderr and json.loads(stop.read_text()) == record
+    page = results_page_of(stop, tmp_path)                  # its table on docs/results.md, its script in the tree
+    assert "## Other records" not in page and "## Records whose script left" not in page
+    assert "| `stop-check.json` |" in page.split("## Training step structure and cost", 1)[1]
 
 
 def test_step_structure_adds_a_data_parallel_row_to_a_record_keeping_the_rest(tmp_path):
