@@ -23,6 +23,7 @@ from .build import snapshot
 from .evaluate import evaluate
 from .sizes import resized_in_step
 
+
 def train_calls(runtime) -> int:
     """Training steps per image size: with CUDA graphs three (they record on the second or
     third call); otherwise two, a plain step and one that averages the weights, which is
@@ -59,7 +60,7 @@ def warm_up(session) -> float:
     step = session.step
     step.idle()                                         # LR 0: kernels run, weights stay
     model.train()
-    in_step = resized_in_step(r)
+    in_step, calls = resized_in_step(r), train_calls(rt)
     for size in session.image_sides:
         # crops are cut from the stored images; a step that resizes itself gets full-size batches
         side = stored[0] if augment.resized_crop or in_step else size
@@ -69,7 +70,6 @@ def warm_up(session) -> float:
             x = resize(x, size)
         x = x.contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (batch,), generator=gen, device=rt.device)
-        calls = train_calls(rt)
         for i in range(calls):
             # the last call is a step that averages (eager decides every-N on the host)
             step.rewind(step.averaging_due_after if i == calls - 1 else 0)
