@@ -234,8 +234,8 @@ def batches_of(loader: DataLoader, folder) -> Iterator:
     ``kill``) ends them with a :class:`DataError` naming the worker and the folder."""
     try:
         yield from loader
-    except RuntimeError as err:
-        if "DataLoader worker" not in str(err):
+    except (RuntimeError, ConnectionResetError, EOFError) as err:   # (the dead worker's pipe, read first)
+        if isinstance(err, RuntimeError) and "DataLoader worker" not in str(err):
             raise
         raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({str(err).splitlines()[0]}); "
                         "the system may have run out of memory: lower data.workers or free memory") from None
