@@ -9,8 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
+from speedrun.data.pipeline.stream import batches_of
+from speedrun.errors import DataError
 from speedrun.stop_signals import RESUMABLE_EXIT
 
 SMALL = ["--set", "data.dataset=npz", "--set", "model.widths=[8,8,8]", "--set", "data.batch_size=128",
@@ -131,3 +134,24 @@ def test_a_killed_data_loader_worker_ends_the_run_naming_the_folder_and_keeps_th
     summary = json.loads((out / "summary.json").read_text())
     losses = [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 64 and len(losses) == 4 and losses[-1] < losses[0] - 0.05, losses      # it learned
+
+
+@pytest.mark.parametrize("death", [RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed."),
+                                   ConnectionResetError(104, "Connection reset by peer"), EOFError()],
+                         ids=["torch", "reset", "closed"])
+def test_each_way_a_dead_worker_shows_up_is_the_one_line_data_error(death):
+    """Which of these reaches the loop first depends on timing (the run above meets one of them)."""
+    def loader():
+        yield "first batch"
+        raise death
+    batches = batches_of(loader(), "/photos")
+    assert next(batches) == "first batch"
+    with pytest.raises(DataError, match=r"reading /photos ended unexpectedly \(\S.*\); the system may have run out"):
+        next(batches)
+    with pytest.raises(RuntimeError, match="unrelated"):
+        next(batches_of(iter_raising(RuntimeError("unrelated")), "/photos"))
+
+
+def iter_raising(err):
+    raise err
+    yield

@@ -237,7 +237,8 @@ def batches_of(loader: DataLoader, folder) -> Iterator:
     except (RuntimeError, ConnectionResetError, EOFError) as err:   # (the dead worker's pipe, read first)
         if isinstance(err, RuntimeError) and "DataLoader worker" not in str(err):
             raise
-        raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({str(err).splitlines()[0]}); "
+        why = (str(err).splitlines() or [f"{type(err).__name__}: its pipe closed"])[0]   # (an EOFError says nothing)
+        raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({why}); "
                         "the system may have run out of memory: lower data.workers or free memory") from None
 
 
