@@ -1,11 +1,7 @@
-"""What a compiled run says it compiles and what that pays, and the compiled code kept for
-the next process (inductor's persistent caches in speedrun's visible folder)."""
+"""What a compiled run says it compiles and what that pays. (The compiled code kept for the
+next process, in speedrun's visible folder: the inductor entry of tests/test_recipe_matrix.py.)"""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,6 @@ from speedrun.engine.loop import Session
 from speedrun.engine.plan import compile_plan, plan_run
 from speedrun.recipe import load_recipe
 
-from conftest import TINY_BENCH
 
 
 def test_the_start_line_counts_the_shapes_and_weighs_the_estimate_against_the_steps():
@@ -46,31 +41,6 @@ def test_the_plan_counts_the_progressive_sizes_and_evaluation_batches(cifar_smal
     assert any(line.startswith("compiling the training step at 3 image sizes (24, 28, 32 px)") for line in plan.choices)
     eager = plan_run(recipe.with_values({"runtime.compile": "off"}), cifar_small, torch.device("cpu"), fit_batch=False)
     assert not any(line.startswith("compiling") for line in eager.choices)
-
-
-@pytest.mark.slow
-def test_a_second_process_reuses_the_compiled_code_from_speedruns_folder(tmp_path, fashion_small):
-    """Two processes of the same small compiled run (inductor on the CPU, fp32), with no
-    $TORCHINDUCTOR_CACHE_DIR of the user's: the first compiles into $SPEEDRUN_CACHE/compiled
-    and says so at start, the second finds every graph there (inductor's FX-graph cache hits,
-    written into the summary). Times are not asserted; the hits are."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["SPEEDRUN_CACHE"] = str(tmp_path / "cache")
-    summaries = []
-    for name in ("first", "second"):
-        proc = subprocess.run([sys.executable, "-m", "speedrun", "train", "fashion-mnist", "--data-dir",
-                               str(fashion_small), "--device", "cpu", "--out", str(tmp_path / name), *TINY_BENCH,
-                               "--set", "eval.tta=none", "--set", "runtime.compile=on", "--set",
-                               "runtime.precision=fp32"], capture_output=True, text=True, env=env, timeout=900)
-        assert proc.returncode == 0, proc.stderr
-        assert f"less where {tmp_path / 'cache' / 'compiled'} holds them" in proc.stdout
-        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
-    first, second = summaries
-    assert first["compile_cache_dir"] == second["compile_cache_dir"] == str(tmp_path / "cache" / "compiled")
-    assert first["compile_cache_misses"] > 0 and first["compile_cache_hits"] == 0
-    assert second["compile_cache_hits"] == first["compile_cache_misses"] and second["compile_cache_misses"] == 0
-    assert any((tmp_path / "cache" / "compiled").rglob("*"))
-    assert second["recompiles"] == first["recompiles"] == 0
 
 
 def _graphs_of(recipe, data, monkeypatch) -> tuple[int, object]:

@@ -16,7 +16,8 @@ epochs or steps: tests/matrix.py).
 
 "Compiled" is torch.compile with the backend named in each entry: inductor (what a GPU
 runs, code generation included) for cifar10-94 in bf16, the CUDA default of the project's main
-recipe, and dynamo + AOTAutograd (aot_eager: the same graph capture, guards and joint
+recipe (in two processes: the second must reuse every graph the first compiled into speedrun's
+compile folder), and dynamo + AOTAutograd (aot_eager: the same graph capture, guards and joint
 forward/backward graph, run by eager kernels) for the rest, whose cold inductor compiles take
 from 35 s (a ResNet-18) to 78 s (a ResNet-50) each on a 2-core CPU; inductor's numerics are
 tested on their own in test_loop.py (the bf16 global max pool).
@@ -25,7 +26,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,12 +70,38 @@ def _train(entry: Entry, data, out, monkeypatch, request) -> None:
     argv = ["train", entry.recipe, *location, "--out", str(out), "--device", "cpu",
             *sum((["--set", s] for s in sets), [])]
     env = {"SPEEDRUN_COMPILE_BACKEND": entry.backend} if entry.backend else {}
+    if entry.cache_reuse:
+        return _train_twice(argv, out, env)
     if entry.subprocess:
         speedrun(*argv, env=env)
         return
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert main(argv) == 0
+
+
+def _train_twice(argv: list[str], out: Path, env: dict) -> None:
+    """Two processes of the same run with no $TORCHINDUCTOR_CACHE_DIR of the user's: the first
+    compiles into $SPEEDRUN_CACHE/compiled and says so at start, the second (into ``out``'s
+    sibling ``again``) finds every graph there (inductor's FX-graph cache hits, written into the
+    summary). Times are not asserted; the hits are."""
+    cache = out.parent / "cache"
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, **env,
+           "SPEEDRUN_CACHE": str(cache)}
+    summaries = []
+    for folder in (out, out.parent / "again"):
+        args = [str(folder) if a == str(out) else a for a in argv]
+        proc = subprocess.run([sys.executable, "-m", "speedrun", *args], capture_output=True, text=True, env=env,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        assert f"less where {cache / 'compiled'} holds them" in proc.stdout
+        summaries.append(json.loads((folder / "summary.json").read_text()))
+    first, second = summaries
+    assert first["compile_cache_dir"] == second["compile_cache_dir"] == str(cache / "compiled")
+    assert first["compile_cache_misses"] > 0 and first["compile_cache_hits"] == 0
+    assert second["compile_cache_hits"] == first["compile_cache_misses"] and second["compile_cache_misses"] == 0
+    assert any((cache / "compiled").rglob("*"))
+    assert second["recompiles"] == first["recompiles"] == 0
 
 
 def check_record(out, entry: Entry) -> dict:
