@@ -2,6 +2,7 @@ import gzip
 import http.server
 import io
 import os
+import platform
 import shutil
 import socket
 import tarfile
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from speedrun.data import DataError, load_dataset
+from speedrun.data.sources import download
 from speedrun.data.sources.download import md5sum, safe_extract
 from speedrun.data.sources.builtin import CIFAR10, FASHION_MNIST, parse_idx, verify_files
 
@@ -229,15 +231,39 @@ def _tar_with(path: Path, name: str, data: bytes = b"x", symlink_to: str | None 
     return path
 
 
+@pytest.fixture(params=["data-filter", "plain"])
+def extraction(request, monkeypatch):
+    """Both ways an archive is checked: tarfile's 'data' filter (Python 3.11.4 and later) and,
+    where Python has none, speedrun's own check of plain files and folders."""
+    if request.param == "plain":
+        monkeypatch.setattr(download, "data_filter", None)
+    elif download.data_filter is None:
+        pytest.skip(f"Python {platform.python_version()} has no tarfile data filter (3.11.4 and later have)")
+    return request.param
+
+
 @pytest.mark.parametrize("name,link", [("../evil.txt", None), ("/tmp/evil-abs.txt", None),
                                        ("cifar-10-batches-py/link", "../../outside")])
-def test_extraction_refuses_paths_outside_the_target(tmp_path, name, link):
+def test_extraction_refuses_paths_outside_the_target(tmp_path, name, link, extraction):
     archive = _tar_with(tmp_path / "bad.tar.gz", name, symlink_to=link)
     target = tmp_path / "target"
     with pytest.raises(DataError, match="refusing to extract member"):
         safe_extract(archive, target)
     assert not (tmp_path / "evil.txt").exists() and not Path("/tmp/evil-abs.txt").exists()
     assert list(target.iterdir()) == []
+
+
+def test_extraction_writes_the_files_and_folders_of_a_genuine_archive(tmp_path, extraction):
+    archive = tmp_path / "good.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("set/a.bin", b"first"), ("set/sub/b.bin", b"second")):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o4777                   # (set-uid, writable by all: not kept)
+            tar.addfile(info, io.BytesIO(data))
+    files = safe_extract(archive, tmp_path / "out")
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in files) == ["set/a.bin", "set/sub/b.bin"]
+    assert (tmp_path / "out" / "set" / "sub" / "b.bin").read_bytes() == b"second"
+    assert not (tmp_path / "out" / "set" / "a.bin").stat().st_mode & 0o4002
 
 
 def test_archive_found_locally_is_extracted(data_dir, tmp_path, isolated_env):

@@ -52,28 +52,49 @@ def download(url: str, dest: Path, md5: str | None = None, timeout: float = 30.0
     return dest
 
 
-def safe_extract(archive: Path, target: Path) -> list[Path]:
-    """Extract a tar archive into ``target``, refusing members that would land outside it.
+# tarfile's 'data' filter came with Python 3.11.4; Debian 12's Python 3.11.2 has none
+data_filter = getattr(tarfile, "data_filter", None)
 
-    Uses tarfile's 'data' filter (no absolute paths, no '..', no links leaving the folder,
-    no device files) and names the offending member when it refuses.
-    """
+
+def refusal(member: tarfile.TarInfo, target: Path) -> str | None:
+    """Why ``member`` may not be extracted into ``target``, or None: tarfile's 'data' filter
+    where Python has it (no absolute paths, no '..', no links leaving the folder, no device
+    files); before Python 3.11.4 only plain files and folders inside ``target`` pass (all a
+    genuine dataset archive holds)."""
+    if os.path.isabs(member.name) or member.name.startswith(("/", "\\")):
+        return "it has an absolute path"          # (the data filter would strip the slash)
+    if data_filter is not None:
+        try:
+            data_filter(member, str(target))
+        except tarfile.FilterError as err:
+            return str(err)
+        return None
+    if not (member.isfile() or member.isdir()):
+        return "it is a link or a special file"
+    root = os.path.realpath(target)
+    if os.path.commonpath([root, os.path.realpath(os.path.join(root, member.name))]) != root:
+        return "it would land outside the destination"
+    return None
+
+
+def safe_extract(archive: Path, target: Path) -> list[Path]:
+    """Extract a tar archive into ``target``, refusing members that would land outside it
+    (:func:`refusal`) and naming the offending member when it refuses."""
     target.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(archive) as tar:
             members = tar.getmembers()
             for m in members:
-                try:
-                    if os.path.isabs(m.name) or m.name.startswith(("/", "\\")):
-                        # the data filter would strip the slash; an absolute name is refused outright
-                        raise tarfile.AbsolutePathError(m)
-                    tarfile.data_filter(m, str(target))
-                except tarfile.FilterError as err:
-                    raise DataError(f"{archive}: refusing to extract member {m.name!r}: {err}. "
-                                    "The archive is not a genuine dataset archive.") from None
-            tar.extractall(target, filter="data")
+                why = refusal(m, target)
+                if why is not None:
+                    raise DataError(f"{archive}: refusing to extract member {m.name!r}: {why}. "
+                                    "The archive is not a genuine dataset archive.")
+            if data_filter is not None:
+                tar.extractall(target, filter="data")
+            else:
+                for m in members:                 # (owner, mode and times not taken from the archive)
+                    tar.extract(m, target, set_attrs=False)
     except (tarfile.TarError, EOFError, OSError) as err:
         raise DataError(f"{archive}: cannot read the archive ({err}); it is truncated or corrupt. "
                         "Delete it and download it again.") from None
     return [target / m.name for m in members if m.isfile()]
-
