@@ -1,13 +1,9 @@
 """Accuracy of recipe variants over seeds: many `speedrun train` processes, several at a time.
 
-For accuracy, not speed: one small model's training leaves a GPU mostly idle, so several training
-processes side by side get many seeds through in the time of a few. Each run is `speedrun train
-RECIPE --seed S --set ...` in its own process; the record keeps every run's summary, and per
-variant the mean, a 95% interval, the one-sided p-value of "mean above the target" and Welch's test
-against the first variant of the same recipe. Its times are of processes that shared the device
-and cores (benchmarks/train_cli.py times runs alone). Jobs go seed by seed across the variants, so
-a sweep cut short by ``--budget`` still has every variant's first seeds; no job starts after the
-budget is spent, and one still running then is stopped and recorded as cut.
+For accuracy, not speed: one small model's training leaves a GPU mostly idle, so several processes
+side by side get many seeds through in the time of a few (they share the device and cores, so their
+times compare with nothing; benchmarks/train_cli.py times runs alone). The record keeps every run's
+summary and each variant's statistics (``summarize``); a ``--budget`` cuts the sweep (``run_job``).
 
     python benchmarks/accuracy_sweep.py --variant base=imagenette \
         --variant stem=imagenette@model.antialias=stem --seeds 5 --jobs 8 --budget 540 \
@@ -34,19 +30,11 @@ from speedrun.recipe import load_recipe
 from speedrun.report.environment import machine
 
 
-def parse_variant(text: str) -> tuple[str, str, list[str]]:
-    """``NAME=RECIPE[@KEY=VALUE...]`` as (name, recipe, ["KEY=VALUE", ...])."""
-    name, _, rest = text.partition("=")
-    recipe, *sets = rest.split("@")
-    if not name or not recipe or any("=" not in s for s in sets):
-        raise ValueError(f"--variant {text!r}: give NAME=RECIPE[@KEY=VALUE...]")
-    return name, recipe, sets
-
-
 def job_order(variants: list[dict]) -> list[tuple[dict, int]]:
-    """(variant, seed) pairs: seed index by seed index, across the variants in their order."""
+    """(variant, seed) pairs: seed index by seed index, across the variants in their order, so that a sweep
+    cut short by its budget still has every variant's first seeds."""
     most = max(v["seeds"] for v in variants)
-    return [(v, v["first_seed"] + i) for i in range(most) for v in variants if i < v["seeds"]]
+    return [(v, i) for i in range(most) for v in variants if i < v["seeds"]]
 
 
 def summarize(variants: list[dict], runs: list[dict]) -> dict:
@@ -74,7 +62,6 @@ def parse():
     p.add_argument("--variant", action="append", required=True, metavar="NAME=RECIPE[@KEY=VALUE...]")
     p.add_argument("--seeds", type=int, default=5, help="seeds per variant (0, 1, ...), unless --seeds-of")
     p.add_argument("--seeds-of", action="append", default=[], metavar="NAME=N")
-    p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="training processes at a time")
     p.add_argument("--budget", type=float, default=math.inf, help="seconds for the whole sweep")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for each process (default: cores / jobs)")
@@ -94,12 +81,14 @@ def parse():
     try:
         check_output_file(args.out, "--out")
         for text in args.variant:
-            name, recipe_name, sets = parse_variant(text)
+            name, _, rest = text.partition("=")                # NAME=RECIPE[@KEY=VALUE...]
+            recipe_name, *sets = rest.split("@")
+            if not name or not recipe_name or any("=" not in s for s in sets):
+                raise ValueError(f"--variant {text!r}: give NAME=RECIPE[@KEY=VALUE...]")
             if any(v["name"] == name for v in args.variants):
                 raise ValueError(f"--variant: the name {name!r} is given twice")
             recipe = load_recipe(recipe_name, sets)          # a bad recipe or value is refused before any run
             args.variants.append({"name": name, "recipe": recipe_name, "sets": sets, "seeds": args.seeds,
-                                  "first_seed": args.first_seed,
                                   "target": args.target if args.target is not None else recipe.target})
         for text in args.seeds_of:
             name, _, n = text.partition("=")
@@ -163,9 +152,8 @@ def main() -> int:
         "benchmark": "accuracy of recipe variants over seeds, several training processes at a time",
         "timed": "nothing comparable: the processes shared the device and the cores; process_wall_seconds says how "
                  "long each took beside the others",
-        "command": " ".join(["accuracy_sweep.py", *sys.argv[1:]]),
-        "jobs": args.jobs, "threads_per_process": threads, "budget_seconds": args.budget,
-        "sweep_seconds": time.monotonic() - t0, "variants": args.variants,
+        "command": " ".join(["accuracy_sweep.py", *sys.argv[1:]]), "jobs": args.jobs, "threads_per_process": threads,
+        "budget_seconds": args.budget, "sweep_seconds": time.monotonic() - t0, "variants": args.variants,
         "runs": sorted(runs, key=lambda r: (r["variant"], r["seed"])), "summary": summary, "environment": environ}
     atomic_write_json(args.out, record)
     for name, row in summary.items():

@@ -121,12 +121,10 @@ def parse_variant(given: str, args) -> System:
     spec, limit = split_limit(given, args.limit, "--variant")
     name, _, tail = spec.partition(":")
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
-        refuse(f"--variant {spec!r}: expected NAME or NAME:KEY=VALUE@KEY=VALUE (a name of letters, digits, '.', "
-               "'_', '+', '-')")
+        refuse(f"--variant {spec!r}: expected NAME[:KEY=VALUE@...], the NAME of letters, digits and . _ + -")
     over, settled = settle(args.recipe, tail, [*SYNTHETIC_SETS, *args.sets], f"--variant {name}")
-    batch = settled.data.batch_size
-    if batch and batch > args.n_train:
-        refuse(f"--variant {name}: data.batch_size={batch} is larger than --n-train {args.n_train}")
+    if (settled.data.batch_size or 0) > args.n_train:
+        refuse(f"--variant {name}: data.batch_size={settled.data.batch_size} is larger than --n-train {args.n_train}")
     return System("variant", name, spec, limit, over, args.recipe)
 
 
@@ -138,17 +136,6 @@ def parse_pair(spec: str, systems: list[System]) -> tuple[str, str]:
         if a in names and b in names and names[a] != names[b]:
             return names[a], names[b]
     refuse(f"--pair {spec!r}: expected A:B naming two of the systems ({', '.join(s.name for s in systems)})")
-
-
-def check_data(data_dir: str | None) -> Path:
-    why = "the peer scripts and cifar10 recipes read CIFAR-10's official python batches"
-    if not data_dir:
-        refuse(f"--data-dir is needed: {why} from DIR/cifar-10-batches-py")
-    batches = Path(data_dir).expanduser() / "cifar-10-batches-py"
-    missing = [n for n in CIFAR_FILES if not (batches / n).is_file()]
-    if missing:
-        refuse(f"--data-dir {data_dir}: no CIFAR-10 python batches at {batches} (missing {', '.join(missing)}); {why}")
-    return batches
 
 
 # ---- children: each in its own process group, stopped at its limit within the budget -------
@@ -186,14 +173,13 @@ def run_child(cmd: list[str], log: Path, limit: tuple, entry: dict, cwd: Path | 
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
         try:
-            rc = proc.wait(timeout=stop_after)
+            proc.wait(timeout=stop_after)
         except subprocess.TimeoutExpired:
             cut = True
-            stop_group(proc)
-            rc = proc.wait()
         finally:
-            if proc.poll() is None:                 # (interrupted: the group goes with us)
+            if cut or proc.poll() is None:          # (at its limit, or interrupted: the group goes with us)
                 stop_group(proc)
+        rc = proc.wait()
     entry["process_wall_seconds"] = time.perf_counter() - t0
     tail = log.read_text(errors="replace").splitlines()[-40:]
     tail += [f"stopped at {stop_after:.0f} s (its process group killed)"] if cut else []
@@ -323,12 +309,11 @@ def finish(args, record: dict) -> int:
     print(f"\n{len(record[key])} {key}, {args.runs} runs each (record: {args.out})\n{'':50s} runs acc mean  acc med  "
           "seconds mean ± sd  median recomp warm-up  process")
     for e in record[key]:
-        s, warm = e["summary"], e.get("warmup_seconds")
-        t, a = s["seconds"], s["test_acc"]
+        s, t, a = e["summary"], e["summary"]["seconds"], e["summary"]["test_acc"]
         figures = (f"{a['mean']:8.2%} {a['median']:8.2%} {t['mean']:9.3f} ± {t['std']:<6.3f} {t['median']:7.3f}"
                    if s["runs"] else f"{'-':>47s}")
         status = "" if e["ok"] else f"  {'CUT' if e.get('cut') else 'FAILED'}: {e['error']}"
-        warm = "-" if warm is None else f"{warm:.1f} s"
+        warm = "-" if e.get("warmup_seconds") is None else f"{e['warmup_seconds']:.1f} s"
         print(f"{e['kind'] + ' ' + e.get('system', e.get('variant', '')):50.50s} {s['runs']:4d} {figures} "
               f"{'-' if s['recompiles'] is None else s['recompiles']:>6} {warm:>8s} {e['process_wall_seconds']:6.1f} s"
               f"{status}")
@@ -353,8 +338,15 @@ def real_systems(args) -> tuple[list[System], dict]:
     given = [parse_system(spec, args) for spec in args.system]
     systems = [s for s in given if s.long_warmup] + [s for s in given if not s.long_warmup]
     args.pairs = [parse_pair(p, systems) for p in args.pair]
-    args.batches = check_data(args.data_dir) if any(s.kind == "peer" or s.dataset == "cifar10"
-                                                    for s in systems) else None
+    args.batches = None
+    if any(s.kind == "peer" or s.dataset == "cifar10" for s in systems):
+        why = "the peer scripts and cifar10 recipes read CIFAR-10's official python batches"
+        if not args.data_dir:
+            refuse(f"--data-dir is needed: {why} from DIR/cifar-10-batches-py")
+        args.batches = Path(args.data_dir).expanduser() / "cifar-10-batches-py"
+        if missing := [n for n in CIFAR_FILES if not (args.batches / n).is_file()]:
+            refuse(f"--data-dir {args.data_dir}: no CIFAR-10 python batches at {args.batches} (missing "
+                   f"{', '.join(missing)}); {why}")
     return systems, {"benchmark": "speedrun's recipes against peers' own scripts, one after another, each system in "
                                   "its own fresh process", "runs_per_system": args.runs,
                      "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else None,
@@ -406,8 +398,6 @@ def write_data(args, record: dict, systems: list[System]) -> None:
 # ---- the child: one variant in its own process, optionally profiled ------------------------
 
 STEP_MARK = "gpu_record.step_end"
-KINDS = ("convolution", "matmul", "fused", "batch norm", "copy/fill", "optimizer", "reduction", "elementwise",
-         "other")
 CUDA_KINDS = (("convolution", "triton_tem.*conv"), ("matmul", "triton_tem"), ("fused", "triton_"),
               ("batch norm", "bn_[fb]w|batch_?norm"), ("convolution", "conv|cudnn|implicit_gemm|[wd]grad|fprop"),
               ("convolution", "winograd"), ("matmul", "gemm|nvjet|cublas|matmul"), ("convolution", "xmma|cutlass"),
@@ -430,16 +420,12 @@ CPU_KINDS = (("fused", "compiledfxgraph|torch-compiled region|compiledfunction|c
 """CPU ops: compiled regions, then by name; the plain ones by their ATen name (``_``, ``_backward``, ``_out`` aside)."""
 
 
-def kind_of(name: str, cuda: bool) -> str:
-    """The kind of a CUDA kernel (``cuda``) or of a CPU op, from its name."""
-    return next((k for k, pattern in (CUDA_KINDS if cuda else CPU_KINDS) if re.search(pattern, name.lower())), "other")
-
-
 def breakdown(events, cuda: bool, steps: int, run_seconds: float, wall_seconds: float) -> dict:
     """Kernel (CUDA) or op (CPU: own time, so nested ops count once) time of one profiled run by
-    kind; its total against the run's seconds; kernels per training step between the step marks."""
+    kind (the first of the kinds' patterns its name matches); its total against the run's seconds;
+    kernels per training step between the step marks."""
     from torch.autograd import DeviceType
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    cpu, kinds = [e for e in events if e.device_type == DeviceType.CPU], CUDA_KINDS if cuda else CPU_KINDS
     marks = sorted(e.time_range.start for e in cpu if e.name == STEP_MARK)
     if cuda:
         annotations = {e.name for e in cpu if getattr(e, "is_user_annotation", False)}
@@ -449,22 +435,21 @@ def breakdown(events, cuda: bool, steps: int, run_seconds: float, wall_seconds: 
     else:
         items = [(e.name, e.time_range.start, e.self_cpu_time_total, not e.cpu_children) for e in cpu
                  if e.name != STEP_MARK and not e.is_async]
-    by_kind, by_name = {k: {"count": 0, "seconds": 0.0} for k in KINDS}, {}
+    by_kind = {k: {"count": 0, "seconds": 0.0} for k in (*dict.fromkeys(k for k, _ in CUDA_KINDS), "other")}
+    by_name = {}
     for name, _, us, _ in items:
-        kind = kind_of(name, cuda)
+        kind = next((k for k, pattern in kinds if re.search(pattern, name.lower())), "other")
         same = by_name.setdefault(name, {"name": name[:200], "kind": kind, "count": 0, "seconds": 0.0})
         for d in (by_kind[kind], same):
             d["count"] += 1
             d["seconds"] += us / 1e6
-    counted = [start for _, start, _, leaf in items if leaf]
-    window = [s for s in counted if marks and marks[0] <= s <= marks[-1]]
+    window = [s for _, s, _, leaf in items if leaf and marks and marks[0] <= s <= marks[-1]]
     total = sum(us for _, _, us, _ in items) / 1e6
     return {"unit": "CUDA kernel" if cuda else "CPU op (self)", "per_step": "kernels" if cuda else "leaf ops",
             "total_seconds": total, "run_seconds": run_seconds, "wall_seconds": wall_seconds,
             "share_of_run": total / run_seconds if run_seconds else None, "events": len(items), "steps": steps,
             "steps_marked": len(marks), "kernels_per_step": len(window) / (len(marks) - 1) if len(marks) >= 2 else None,
-            "kernels_per_step_whole_run": len(counted) / steps if steps else None, "by_kind": by_kind,
-            "top": sorted(by_name.values(), key=lambda d: -d["seconds"])[:30]}
+            "by_kind": by_kind, "top": sorted(by_name.values(), key=lambda d: -d["seconds"])[:30]}
 
 
 def child_variant(args) -> int:
@@ -518,28 +503,10 @@ def child_variant(args) -> int:
 
 # ---- the command line ----------------------------------------------------------------------
 
-def record_path(given: Path | None, name: str) -> Path:
-    """``--out``, else $OUT/NAME (a lent GPU machine returns only $OUT's files)."""
-    home = os.environ.get("OUT")
-    if given is None and not home:
-        refuse(f"--out FILE.json is required (or set $OUT: the record is then written to $OUT/{name})")
-    path = given or Path(home) / name
-    try:
-        check_output_file(path, "--out", overwrite=True)
-    except SpeedrunError as err:
-        refuse(str(err))
-    return path
-
-
-class Parser(argparse.ArgumentParser):
-    """Arguments from ``@FILE`` too: one or more a line, split as a shell does; ``#`` lines are comments."""
-
-    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
-        return [] if arg_line.lstrip().startswith("#") else shlex.split(arg_line)
-
-
 def parse(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], fromfile_prefix_chars="@")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], fromfile_prefix_chars="@")
+    # @FILE: one or more arguments a line, split as a shell does; "#" lines are comments
+    p.convert_arg_line_to_args = lambda line: [] if line.lstrip().startswith("#") else shlex.split(line)
     p.add_argument("--synthetic", action="store_true", help="time variants of --recipe on random CIFAR-shaped data")
     p.add_argument("--system", action="append", default=[], metavar="SPEC", help=SYSTEM_FORMS + " (repeatable)")
     p.add_argument("--pair", action="append", default=[], metavar="A:B", help="A's mean time over B's (repeatable)")
@@ -578,15 +545,21 @@ def main(argv=None) -> int:
     if len(set(names)) < len(names):
         refuse(f"--{'variant' if args.synthetic else 'system'}: two are named "
                f"{next(n for n in names if names.count(n) > 1)!r}; each must appear once")
-    args.out = record_path(args.out, "gpu-record-synthetic.json" if args.synthetic else "gpu-record.json")
-    from speedrun.report.environment import gpu_clocks, machine, read_commit    # (torch: nothing was refused)
-    args.commit, commit_source = read_commit(args.commit)                      # (before anything runs)
+    name = "gpu-record-synthetic.json" if args.synthetic else "gpu-record.json"
+    if args.out is None and not os.environ.get("OUT"):            # (a lent GPU machine returns only $OUT's files)
+        refuse(f"--out FILE.json is required (or set $OUT: the record is then written to $OUT/{name})")
+    args.out = args.out or Path(os.environ["OUT"]) / name
+    try:
+        check_output_file(args.out, "--out", overwrite=True)
+    except SpeedrunError as err:
+        refuse(str(err))
+    from speedrun.report.environment import gpu_clocks, machine          # (torch: nothing was refused)
+    env = machine(args.commit)                                           # (the commit read before anything runs)
     record = {"mode": "synthetic" if args.synthetic else "real", "script": "benchmarks/gpu_record.py",
-              "command": " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]]), "commit": args.commit,
+              "command": " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]]), "commit": env["commit"],
               "device": args.device, "sets": args.sets, "budget_seconds": args.budget,
-              "limits": {s.name: s.limit for s in systems}, "order": [s.name for s in systems],
-              "definitions": DEFINITIONS, "environment": machine(args.commit, commit_source),
-              "gpu_before": gpu_clocks(), "left_out": [], **part}
+              "limits": {s.name: s.limit for s in systems}, "order": names, "definitions": DEFINITIONS,
+              "environment": env, "gpu_before": gpu_clocks(), "left_out": [], **part}
     with tempfile.TemporaryDirectory(prefix="gpu-record-", ignore_cleanup_errors=True) as temporary:
         args.work_dir = (args.work or Path(temporary)).resolve()            # (--work is kept)
         args.work_dir.mkdir(parents=True, exist_ok=True)

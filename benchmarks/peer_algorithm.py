@@ -111,7 +111,6 @@ def check_supported(recipe) -> None:
 class Algorithm:
     """Everything the training algorithm needs, as plain numbers."""
     batch_size: int
-    steps_per_epoch: int
     total_steps: int
     epochs: int                        # passes over the data (the last one may be partial)
     lr: float                          # SGD LR of the weights at schedule multiplier 1
@@ -144,7 +143,7 @@ class Algorithm:
         scale = {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[o.lr_scaling]
         mults = {"weights": 1.0, "norm_biases": o.norm_bias_lr_mult, "whiten_bias": o.whiten_bias_lr_mult}
         schedule = tuple(np.interp(np.arange(total) / total, r.schedule.knots, r.schedule.values).tolist())
-        return cls(batch_size=batch, steps_per_epoch=spe, total_steps=total, epochs=math.ceil(total / spe),
+        return cls(batch_size=batch, total_steps=total, epochs=math.ceil(total / spe),
                    lr=o.lr * (1 - o.momentum) * scale, lr_mults=mults, momentum=o.momentum,
                    weight_decays={k: (o.weight_decay / (o.lr * m) if m > 0 else 0.0) for k, m in mults.items()},
                    nesterov=o.nesterov and o.momentum > 0, schedule=schedule,
@@ -254,8 +253,7 @@ def evaluate(model: nn.Module, batches, tta: str, autocast) -> tuple[float, floa
             correct += correct_counts(model, x, y, tta)
             n += len(y)
     model.train(was_training)
-    c_tta, c_plain = correct.tolist()
-    return c_tta / n, c_plain / n
+    return tuple(c / n for c in correct.tolist())
 
 
 class Clock:

@@ -64,8 +64,7 @@ def plan_script(source: str, name: str) -> dict:
     if any(isinstance(a, ast.Starred) for a in timed.args) or any(k.arg is None for k in timed.keywords):
         raise PeerError(f"{name}: its per-run call of main passes *args or **kwargs; name the arguments")
     return {"head": ast.Module(body=head, type_ignores=[]), "setup": ast.Module(body=body[:first], type_ignores=[]),
-            "setup_source": [ast.unparse(s) for s in body[:first]],
-            "args": [ast.unparse(a) for a in timed.args[1:]],
+            "setup_source": [ast.unparse(s) for s in body[:first]], "args": [ast.unparse(a) for a in timed.args[1:]],
             "keywords": {k.arg: ast.unparse(k.value) for k in timed.keywords},
             "warmup_in_script": any(is_warmup(c) for c in calls), "timed_call": ast.unparse(timed)}
 
@@ -80,7 +79,7 @@ def check_script(path: Path) -> dict:
 
 # ---- running it ---------------------------------------------------------------------------
 
-def run_peer(script: Path, runs: int, result_path: Path) -> dict:
+def run_peer(script: Path, runs: int, result_path: Path) -> None:
     import torch
     from torch._dynamo.utils import counters           # (graphs compiled so far: a run's recompiles)
     plan = check_script(script)
@@ -90,9 +89,8 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     module.__file__ = str(script)
     sys.argv = [str(script)]                           # (the scripts read their own source from argv[0])
     sys.path.insert(0, str(script.parent))
-    t0 = time.perf_counter()
     exec(compile(plan["head"], str(script), "exec"), module.__dict__)
-    result = {"script": str(script), "cwd": os.getcwd(), "import_seconds": time.perf_counter() - t0,
+    result = {"script": str(script), "cwd": os.getcwd(),
               "main_block": {k: v for k, v in plan.items() if k not in ("head", "setup")}}
     if not plan["warmup_in_script"]:
         result["note"] = ("its __main__ block makes no warm-up call; main('warmup', ...) was run before the timed "
@@ -120,8 +118,7 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
     kwargs = {k: eval(v, module.__dict__) for k, v in plan["keywords"].items()}
     module.main("warmup", *args, **kwargs)
     sync()
-    result.update(warmup_seconds=time.perf_counter() - t0, warmup_own_seconds=finals[-1]["seconds"] if finals
-                  else None, runs=[])
+    result.update(warmup_seconds=time.perf_counter() - t0, runs=[])
     print(f"PEER {script.name}: warm-up {result['warmup_seconds']:.1f} s", flush=True)
     atomic_write_json(result_path, result)
     for run in range(runs):
@@ -136,7 +133,6 @@ def run_peer(script: Path, runs: int, result_path: Path) -> dict:
         result["runs"].append({"run": run, **finals[0], "wall_seconds": wall,
                                "recompiles": counters["stats"]["unique_graphs"] - graphs})
         atomic_write_json(result_path, result)
-    return result
 
 
 def main(argv=None) -> int:

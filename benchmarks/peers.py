@@ -23,7 +23,6 @@ STARTED = time.perf_counter()       # (before torch's import: a child's seconds_
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_algorithm import (LIGHTNING_PRECISION, Algorithm, Clock, autocast_for, check_supported,  # noqa: E402
                             eval_batches, evaluate, first_touch, lightning_module, make_optimizer, make_trainer,
                             peer_model, train_plain)
@@ -41,7 +40,6 @@ DEFINITIONS = {
     "process_seconds": "the whole process from outside, just before its interpreter starts to its exit",
     "train_seconds": "speedrun's region in every peer: first touch of the data to the final TTA accuracy",
     "final_eval_seconds": "the final TTA evaluation with the averaged weights (lightning: the whole Trainer.test)",
-    "train_seconds_without_final_eval": "train_seconds - final_eval_seconds",
     "epoch_seconds": "each epoch's training seconds, monitoring paused out, the final evaluation left out",
     "images_per_s": "training images (steps x batch) / train_seconds_without_final_eval",
     "monitor_seconds": "the per-epoch monitoring evaluations (no TTA, averaged weights), outside train_seconds",
@@ -54,11 +52,6 @@ DEFINITIONS = {
 
 
 # --- Each peer's run, in its own process -----------------------------------------------------
-
-def load_data(data_dir: str):
-    """CIFAR-10 as speedrun reads it: from its folder, or from an .npz of CIFAR-shaped arrays (a slice)."""
-    return load_npz(data_dir) if data_dir.endswith(".npz") else load_dataset("cifar10", data_dir, fetch=False)
-
 
 def run_peer(name: str, recipe, data, precision: str) -> dict:
     """Train and evaluate one peer ("plain" or "lightning") here; its figures. The Trainer or optimizer is
@@ -118,7 +111,7 @@ def run_child(argv: list[str], name: str, precision: str, threads: int, work: Pa
 
 def run_speedrun(args, work: Path) -> dict:
     """``speedrun train`` as a subprocess; its figures from its summary.json and metrics.jsonl."""
-    sets = [*overrides(args), *([f"runtime.precision={args.precision}"] if args.precision != "auto" else []),
+    sets = [*args.overrides, *([f"runtime.precision={args.precision}"] if args.precision != "auto" else []),
             *(["data.dataset=npz"] if args.data_dir.endswith(".npz") else [])]
     cmd = [sys.executable, "-m", "speedrun", "train", RECIPE, *[a for s in sets for a in ("--set", s)],
            "--device", "cpu", "--out", str(work / "speedrun-run"), "--data-dir", args.data_dir]
@@ -200,20 +193,20 @@ def parse(argv):
     a("--rounds", type=int, default=1, help="every peer this many times, the order rotated each round: medians")
     a("--child", choices=["plain", "lightning"], help=argparse.SUPPRESS)
     a("--result", type=Path, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def overrides(args) -> list[str]:
-    return [f"train.epochs={args.epochs!r}", *args.sets]
+    args = p.parse_args(argv)
+    args.overrides = [f"train.epochs={args.epochs!r}", *args.sets]        # (every peer's)
+    return args
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
-    recipe = load_recipe(RECIPE, overrides(args))
-    if args.child:                              # a peer's own process
+    recipe = load_recipe(RECIPE, args.overrides)
+    if args.child:                              # a peer's own process, CIFAR-10 read as speedrun reads it
         torch.set_num_threads(args.threads)
-        atomic_write_json(args.result, run_peer(args.child, recipe, load_data(args.data_dir), args.precision))
+        npz = args.data_dir.endswith(".npz")     # (a slice's CIFAR-shaped arrays)
+        data = load_npz(args.data_dir) if npz else load_dataset("cifar10", args.data_dir, fetch=False)
+        atomic_write_json(args.result, run_peer(args.child, recipe, data, args.precision))
         return 0
     peers = args.peers.split(",")
     if args.rounds < 1 or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
@@ -225,7 +218,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"peers: error: {err}")
     precision = args.precision if args.precision != "auto" else ("bf16" if cpu_bf16_units() else "fp32")
     record = {"benchmark": "speedrun against a plain PyTorch loop and a Lightning Trainer, same algorithm",
-              "recipe": RECIPE, "overrides": overrides(args), "epochs": args.epochs, "threads": args.threads,
+              "recipe": RECIPE, "overrides": args.overrides, "epochs": args.epochs, "threads": args.threads,
               "precision": precision, "bf16_units": list(cpu_bf16_units()), "data": args.data_dir, "order": peers,
               "definitions": DEFINITIONS, "environment": machine(), "peers": {}}
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:

@@ -1,7 +1,7 @@
 """Does a change of speedrun's code leave training bit for bit as it was? `speedrun train` of
 one recipe from another tree of speedrun (an earlier commit) and from this checkout, with the
 same seed and settings, each in its own process; the trained weights (model.pt) compared
-tensor by tensor with torch.equal, and the accuracies.
+tensor by tensor with torch.equal, and the accuracies; exit code 1 when any setting differs.
 
     git archive BASE_COMMIT src | tar -x -C /tmp/base
     python benchmarks/same_weights.py /tmp/base BASE_COMMIT cifar10-94 --data-dir ../shared/datasets \\
@@ -9,9 +9,8 @@ tensor by tensor with torch.equal, and the accuracies.
         --out benchmarks/results/same-weights-BASE-cifar10-94-<cpu>.json [-- --set train.epochs=0.1 ...]
 
 Each ``--setting NAME:KEY=VALUE@KEY=VALUE`` is one pair of runs (default: the recipe as it is);
-the arguments after ``--`` go to every run. The record holds, per setting, both runs' accuracies
-and train_seconds (both trees ran one after the other here), and ``identical``: every tensor of
-the state dict equal, with the names of any that differ. Exit code 1 when any setting differs.
+the arguments after ``--`` go to every run. Both trees run one after the other here, so the record's
+train_seconds of a setting's two runs compare.
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """The structure of one training step, eager and compiled, counted on the CPU (what a GPU
 would launch and wait for), and CPU milliseconds per step; or the cost of the stop check the
-loop makes after every step.
+loop makes after every step. Which rows, and what each counts: benchmarks/README.md.
 
     python benchmarks/step_structure.py [--backend inductor] [--only cifar10-94] [--timed-steps 3]
         [--no-structure] [--ddp | --ddp-only] [--set KEY=VALUE ...] [--out FILE.json]
     python benchmarks/step_structure.py --stop-check [--calls 2000] [--out FILE.json]
 
-Structure, for cifar10-94, cifar10-94-fast and imagenet-resnet50 in fp32, bf16 and fp16 (CPU
-autocast with the loss scale), eager and compiled, then compiled with train.accumulate=2 (and
-with --ddp data-parallel) in bf16, or in the first of --precisions where bf16 is not asked: graph
-breaks, compiled regions, eager ATen ops outside them and host syncs per step (the maximum over
-a short real epoch, counted by src/speedrun/profiling/step_structure.py), on narrow nets (the
-counts do not depend on width); then ms per step at the recipes' own widths. Data: the first
-2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets), upscaled to 64 px for
-imagenet-resnet50. The stop check (StopAgreement.signal): 5 rounds of ``--calls`` calls in one
-process (a flag read), then in two torchrun processes (gloo) all-reducing one integer.
+The counts are taken on narrow nets (they do not depend on width), the times at the recipes' own
+widths, on the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets),
+upscaled to 64 px for imagenet-resnet50.
 """
 from __future__ import annotations
 
@@ -28,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -80,9 +75,9 @@ def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str]
 
 
 DDP_ROWS = [("cifar10-94", []), ("imagenet-resnet50", []), ("imagenet-resnet50", ["distributed.bucket_mb=1"])]
-"""Data-parallel rows (2 processes, gloo): the recipes' own gradient buckets (one bucket for the
-narrow nets), and ResNet-50 with 1 MiB buckets, the smallest compiled DDP allows (DDP's first
-bucket), so that dynamo cuts the compiled model into several graphs."""
+"""Data-parallel rows, each a compiled step counted in two torchrun workers (gloo), its sets after --set's:
+the recipes' own gradient buckets (one bucket for the narrow nets), and ResNet-50 with 1 MiB buckets, the
+smallest compiled DDP allows (DDP's first bucket), so that dynamo cuts the compiled model into several graphs."""
 
 
 def torchrun(worker: list[str], processes: int = 2) -> list[dict]:
@@ -96,17 +91,6 @@ def torchrun(worker: list[str], processes: int = 2) -> list[dict]:
         if proc.returncode:
             raise SystemExit(f"{' '.join(worker)}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}")
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(processes)]
-
-
-def ddp_row(name: str, sets: list[str], args, precision: str) -> dict:
-    """The structure of one data-parallel step, compiled, measured in each of two torchrun workers
-    (gloo), with the row's ``sets`` after --set's; rank 0's counts with every rank's regions."""
-    ranks = torchrun(["--ddp-worker", name, "--backend", args.backend, "--precisions", precision,
-                      *sum((["--set", s] for s in [*args.set, *sets]), [])])
-    row = ranks[0]
-    row["processes"], row["ddp_sets"] = len(ranks), sets
-    row["compiled_regions_per_step_by_rank"] = [r["compiled_regions_per_step"] for r in ranks]
-    return row
 
 
 def ddp_worker(args, precision: str) -> int:
@@ -127,16 +111,10 @@ def ddp_worker(args, precision: str) -> int:
 
 
 def time_calls(check, calls: int) -> list[float]:
-    """Microseconds per call of ``check``, in 5 rounds of ``calls`` calls (after 100 to warm up)."""
-    for _ in range(100):
-        check()
-    rounds = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            check()
-        rounds.append((time.perf_counter() - t) / calls * 1e6)
-    return rounds
+    """Microseconds per call of ``check``, in 5 rounds of ``calls`` calls (after 100 to warm up; timeit's
+    rounds, the garbage collector paused)."""
+    timeit.timeit(check, number=100)
+    return [seconds / calls * 1e6 for seconds in timeit.repeat(check, repeat=5, number=calls)]
 
 
 def stop_check(calls: int, out: Path, env: dict) -> int:
@@ -194,14 +172,13 @@ def main() -> int:
         return stop_check(args.calls, out, env)
     out = args.out or RESULTS / f"step-structure-{cpu}.json"
     recipes = args.only or ["cifar10-94", "cifar10-94-fast", "imagenet-resnet50"]
-    old = json.loads(out.read_text()) if (args.ddp_only or args.no_structure) and out.exists() else {}
+    kept = json.loads(out.read_text()) if (args.ddp_only or args.no_structure) and out.exists() else {}
     record = {"what": "structure of one training step (TrainStep) per recipe, precision and mode: graph breaks, "
                       "compiled regions per step, eager ATen compute ops per step outside compiled regions, host "
                       "syncs per step (max over the counted steps of a real epoch); then ms per step (wall, after "
                       "the warm-up) eager vs compiled at the recipes' own widths",
-              "environment": env, "backend": args.backend, "rows": old.get("rows", []),
-              "timing": old.get("timing", []) if args.ddp_only else [], "ddp": old.get("ddp", [])}
-    # (a partial run, --ddp-only or --no-structure, keeps the record's other parts)
+              "environment": env, "backend": args.backend, "rows": kept.get("rows", []),
+              "timing": kept.get("timing", []) if args.ddp_only else [], "ddp": kept.get("ddp", [])}
     structure = [(precision, compiled, []) for precision in precisions for compiled in (False, True)]
     structure.append((lead, True, ["train.accumulate=2"]))
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
@@ -213,7 +190,10 @@ def main() -> int:
             atomic_write_json(out, record)
     for name, sets in DDP_ROWS if args.ddp or args.ddp_only else []:
         if name in recipes:
-            row = ddp_row(name, sets, args, lead)
+            ranks = torchrun(["--ddp-worker", name, "--backend", args.backend, "--precisions", lead,
+                              *sum((["--set", s] for s in [*args.set, *sets]), [])])
+            row = {**ranks[0], "processes": len(ranks), "ddp_sets": sets,            # (rank 0's counts)
+                   "compiled_regions_per_step_by_rank": [r["compiled_regions_per_step"] for r in ranks]}
             record["ddp"] = [r for r in record["ddp"] if (r["recipe"], r.get("ddp_sets", [])) != (name, sets)] + [row]
             print(f"{name:18} {lead:5} compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: "
                   f"{counts(row)}, regions by rank {row['compiled_regions_per_step_by_rank']}", flush=True)

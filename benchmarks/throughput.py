@@ -37,7 +37,7 @@ from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.profiling.busy import profiled_busy  # noqa: E402
 from speedrun.profiling.step_structure import real_batches  # noqa: E402
 from speedrun.recipe import load_recipe  # noqa: E402
-from speedrun.report.environment import machine, read_commit  # noqa: E402
+from speedrun.report.environment import machine  # noqa: E402
 
 PROG = "throughput"
 BOUND_SHARE = 0.9
@@ -45,15 +45,10 @@ BAR = (f"model-bound where the pipeline-fed steps reach {BOUND_SHARE:.0%} of the
        "else pipeline-bound")
 
 
-def refuse(message):
-    """A bad argument or value: one line, exit code 2, before anything is written."""
+def refuse(message, code: int = 2):
+    """One line on stderr, then exit ``code``: 2 for a bad argument (nothing written), 1 once running."""
     print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        refuse(message)
+    raise SystemExit(code)
 
 
 # --- Synthetic photo folders ------------------------------------------------------------
@@ -171,13 +166,6 @@ def fed_region(session, args) -> dict:
     return {**out, "epochs_started": math.ceil(taken / session.steps_per_epoch)}
 
 
-def worker_decoding(recipe) -> str:
-    n, decoder = default_workers(recipe.data.workers), recipe.data.decoder
-    if decoder in ("auto", "simplejpeg"):                   # (simplejpeg: None where it is not installed)
-        decoder = f"simplejpeg (data.decoder={decoder})" if simplejpeg else "Pillow (simplejpeg is not installed)"
-    return f"CPU workers: {f'{n} process' + 'es' * (n != 1) if n else 'in this process (data.workers=0)'}, {decoder}"
-
-
 def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
     folder = work / "photos"
     plan = plan_run(load_recipe(recipes[0], overrides(args, folder, "data.cache='off'")), folder, device)
@@ -190,8 +178,12 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
     rate = alone["images_per_second_median"]
     print(f"{recipe.name}: {params:,} parameters, {runtime.precision}, built and warmed up in {build:.1f} s; model "
           f"step alone: {rate:,.0f} images/s, busy {alone['busy']['busy_fraction']:.2f}", flush=True)
-    streamed = {"pipeline": "streamed", "decoding": worker_decoding(recipe), "overrides": ["data.cache='off'"],
-                **fed_region(session, args)}
+    n, decoder = default_workers(recipe.data.workers), recipe.data.decoder
+    if decoder in ("auto", "simplejpeg"):                   # (simplejpeg: None where it is not installed)
+        decoder = f"simplejpeg (data.decoder={decoder})" if simplejpeg else "Pillow (simplejpeg is not installed)"
+    workers = f"{n} process" + "es" * (n != 1) if n else "in this process (data.workers=0)"
+    streamed = {"pipeline": "streamed", "decoding": f"CPU workers: {workers}, {decoder}",
+                "overrides": ["data.cache='off'"], **fed_region(session, args)}
     gpu = {"pipeline": "decoded once on the device (torchvision), then cropped on the device",
            "overrides": ["data.cache='on'", "data.decoder='torchvision'"]}
     try:
@@ -345,10 +337,12 @@ MODES = {  # the defaults: an ImageNet-like folder, one shaped like the Imagenet
 
 
 def parse(argv):
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.error = refuse                                    # (argparse's own errors in one line too)
     sub = p.add_subparsers(dest="mode", required=True)
     for name, defaults in MODES.items():
         m = sub.add_parser(name, help=f"default recipe(s): {defaults['recipes']}")
+        m.error = refuse                                # (and each mode's)
         a, d, one = m.add_argument, " (default %(default)s)", name == "pipelines"
         a("--recipe" if one else "--recipes", dest="recipes", help=("the recipe" if one else "comma-separated") + d)
         a("--steps", type=int, default=20, help="steps per timed block" + d)
@@ -386,14 +380,13 @@ def check(args) -> list[str]:
                       (args.warm < 0 or args.profile_steps < 0, "--warm and --profile-steps must be 0 or more"),
                       (pipes and args.size < 8, f"--size {pipes and args.size}: must be at least 8 px"),
                       (pipes and len(recipes) > 1, f"--recipe {args.recipes!r}: one recipe"),
-                      (any("=" not in s for s in args.sets), f"--set {args.sets}: expected KEY=VALUE"),
                       (not recipes, f"--recipes {args.recipes!r}: name at least one recipe")):
         if bad:
             refuse(says)
     return recipes
 
 
-def run(args, commit, commit_source) -> int:
+def run(args) -> int:
     started, recipes = time.perf_counter(), check(args)
     try:
         for r in recipes:                               # a bad name or --set stops here, naming it
@@ -402,7 +395,7 @@ def run(args, commit, commit_source) -> int:
         check_output_file(args.out, "--out")
     except SpeedrunError as err:
         refuse(err)
-    env = machine(commit, commit_source)
+    env = machine(args.commit)                          # (the commit that runs, read before it runs)
     per_class = args.images_per_class or math.ceil(
         (args.warm + args.repeats * args.steps + args.profile_steps) * first.data.batch_size / args.classes) + 1
     with tempfile.TemporaryDirectory(prefix=f"throughput-{args.mode}-") as work:
@@ -412,7 +405,7 @@ def run(args, commit, commit_source) -> int:
         body = (pipelines if args.mode == "pipelines" else whole_runs)(args, recipes, device, Path(work), made)
     failed = body.pop("failed", [])
     record = {"benchmark": body.pop("benchmark"), "script": f"benchmarks/throughput.py {args.mode}",
-              "commit": commit, "commit_source": commit_source, "device": str(device),
+              "commit": env["commit"], "commit_source": env["commit_source"], "device": str(device),
               "device_name": device_name(device), **body, "photos": made,
               "total_seconds": time.perf_counter() - started, "environment": env}
     atomic_write_json(args.out, record)
@@ -423,14 +416,11 @@ def run(args, commit, commit_source) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
     try:
-        if args.mode == "runs" and args.model_step:
-            return model_step_child(args)
-        return run(args, *read_commit(args.commit))      # (the commit that runs, read before it runs)
+        return model_step_child(args) if args.mode == "runs" and args.model_step else run(args)
     except SpeedrunError as err:                         # trouble once running: no record
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        refuse(err, code=1)
 
 
 if __name__ == "__main__":

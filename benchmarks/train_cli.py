@@ -1,10 +1,9 @@
 """Time `speedrun train RECIPE` as a user runs it: the whole process, start-up included.
 
 Runs the command N times, each a subprocess timed from outside, and writes one JSON record with
-every run's summary.json and the machine. On a crowded machine: ``--busy 1`` times every run
-alone and again beside one process that keeps a core busy (``yes > /dev/null``); ``--system
-NAME=SRC`` (repeatable) runs speedrun from another checkout (its ``src/`` first on the path), and
-``--system plain`` a plain PyTorch loop of a similar net, the yardstick of what sharing a core costs.
+every run's summary.json and the machine. On a crowded machine, ``--busy`` and ``--system`` (see
+their help) time each run beside processes that keep a core busy, and other checkouts or a plain
+PyTorch loop beside speedrun, the yardstick of what sharing a core costs.
 
     .venv/bin/python benchmarks/train_cli.py fashion-mnist --runs 3 --data-dir ../shared/datasets \
         --out benchmarks/results/fashion-mnist-cpu-demo.json [-- --set key=value ...]
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from speedrun.errors import SpeedrunError
@@ -74,10 +73,8 @@ def plain_loop(data_dir: str, n: int | None = None) -> None:
 def _die_with_parent() -> None:
     """In a busy child, before it starts: the kernel ends it when this script ends, however this
     script ends (a SIGKILL, a test's timeout), so no busy process outlives the measurement."""
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
 
 
 @contextmanager
