@@ -40,6 +40,25 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist each of the N workers is first handed a contiguous N-th of the tests, and
+    one that runs out takes half of the longest queue's tail. The tests marked ``slow`` (about a
+    minute or more on a 2-core CPU) go to the head of each N-th, so that every worker starts on
+    its share of them and none is left running one alone at the end of the run."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if workers < 2 or not slow:
+        return
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    ordered = []
+    for i in range(workers):
+        share = slow[i::workers]
+        take = max(0, len(items) * (i + 1) // workers - len(ordered) - len(share))
+        ordered += share + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return shared_data()

@@ -307,6 +307,7 @@ def test_flops_command_reports_the_split(tmp_path, fashion_small):
                                                                      or rec["measured_peak_flops_per_s"]))
 
 
+@pytest.mark.slow
 def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_small, capsys):
     """Interrupt a real ablation once its first variant is written, then resume it: the
     finished variant is kept as it was and only the missing ones run."""

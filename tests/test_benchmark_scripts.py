@@ -30,6 +30,7 @@ def check_environment(record: dict) -> None:
         assert env["git_commit"] == head_commit()
 
 
+@pytest.mark.slow
 def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_each_runs_folder(
         tmp_path, fashion_small, data_dir):
     """speedrun from a checkout named by --system (seed 3) and the plain loop (on the first 2,048
@@ -326,6 +327,7 @@ def test_lending_call_1_smokes_the_record_recipe_for_one_run_on_random_data(tmp_
     assert v["summary"]["seconds"]["median"] == run["seconds"] and v["summary"]["test_acc"]["median"] == run["test_acc"]
 
 
+@pytest.mark.slow
 def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_file(tmp_path, data_dir, cifar_small):
     peers = tmp_path / ".device-data" / "peers"          # where the call finds airbench's scripts
     standin(peers, "airbench94_muon.py", MUON_SETUP)
@@ -362,6 +364,7 @@ def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_fi
     assert paired["paired"]["seeds"] == [0] and paired["time_ratio_median"] == pytest.approx(paired["time_ratio"])
 
 
+@pytest.mark.slow
 def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none_that_would_overrun(
         tmp_path, data_dir):
     import time
@@ -404,6 +407,7 @@ def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none
 NARROW_STEP = ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"]
 
 
+@pytest.mark.slow
 def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
     """In fp32 only (the accumulated row follows --precisions): eager, compiled and accumulated
     rows, the timing; the stop check."""
@@ -439,6 +443,7 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     assert "| `stop-check.json` |" in page.split("## Training step structure and cost", 1)[1]
 
 
+@pytest.mark.slow
 def test_step_structure_adds_a_data_parallel_row_to_a_record_keeping_the_rest(tmp_path):
     """--ddp-only: two torchrun processes (gloo) count a compiled data-parallel step in fp32 (the
     first of --precisions); DDP cuts the compiled forward into frames of its own, so a step runs more
@@ -526,6 +531,7 @@ TINY_PHOTOS = ["--device", "cpu", "--images-per-class", 6, "--val-per-class", 2,
                "--set", "runtime.compile=off", "--set", "data.workers=0"]
 
 
+@pytest.mark.slow
 def test_throughput_runs_sets_each_training_process_against_its_model_step(tmp_path):
     out = tmp_path / "photos.json"
     script("throughput.py", "runs", *TINY_PHOTOS, "--out", out)
@@ -585,6 +591,7 @@ def test_throughput_never_overwrites_a_record(tmp_path):
 # peers.py: the plain loop, Lightning and speedrun, each in its own process, tiny on the CPU
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, cifar10):
     """One round of the three peers on a 2,048-image slice given as an .npz (narrow widths, batch
     256, 3 epochs: 24 steps): every peer's figures, the medians the results page reads; every peer
@@ -620,6 +627,7 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
 
 
 # same_weights.py: training from two trees, weights compared bit for bit
+@pytest.mark.slow
 def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fashion_small):
     import shutil
     same, changed = tmp_path / "same", tmp_path / "changed"
@@ -648,6 +656,7 @@ def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fas
     assert not s2["identical"] and s2["differing_tensors"]
 
 
+@pytest.mark.slow
 def test_accuracy_sweep_runs_variants_over_seeds_side_by_side_and_tests_each_mean(tmp_path, fashion_small):
     tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=1", "--set", "data.batch_size=128",
             "--set", "runtime.compile=off", "--set", "eval.tta=none", "--device", "cpu"]

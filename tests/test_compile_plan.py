@@ -55,6 +55,7 @@ def _graphs_of(recipe, data, monkeypatch) -> tuple[int, object]:
     return compiled_graphs() - before, session
 
 
+@pytest.mark.slow
 def test_progressive_sizes_share_one_compiled_step(cifar_small, monkeypatch):
     """cifar10-94-cpu trains at 24, 28 and 32 px: resized in the data pipeline, its step is
     one graph for the three sizes (height and width dynamic) where the compiler keeps them so

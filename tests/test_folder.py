@@ -209,6 +209,7 @@ QUICK = ["--set", "train.epochs=16", "--set", "model.widths=[16,32,32]", "--set"
          "--set", "eval.tta=flip"]
 
 
+@pytest.mark.slow
 def test_folder_trains_streamed_and_prepared_trains_resident(jpeg_dir, tmp_path):
     speedrun("train", "folder", "--data-dir", jpeg_dir, "--out", tmp_path / "s", *QUICK)
     s = json.loads((tmp_path / "s" / "summary.json").read_text())

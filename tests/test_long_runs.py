@@ -42,6 +42,7 @@ def tree(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path,
                                                                                             fashion_small):
     out = tmp_path / "run"

@@ -274,6 +274,7 @@ def test_the_select_max_pool_has_the_reference_gradients_without_scattering(layo
     assert any("where" in op for op in backward_ops)
 
 
+@pytest.mark.slow
 def test_one_compiled_model_per_process_and_no_recompiles_after_the_warm_up(small, monkeypatch):
     """Six sessions in one process (a bench, ablation variants, a batch-finder retry):
     the same model is compiled once and reused; a different model resets dynamo; no run

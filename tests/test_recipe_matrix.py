@@ -141,7 +141,8 @@ def check_record(out, entry: Entry) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("entry", MATRIX + FIELDS, ids=lambda e: e.id)
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.slow) if e.precision == "bf16" else e
+                                   for e in MATRIX + FIELDS], ids=lambda e: e.id)   # (bf16: emulated on many CPUs)
 def test_recipe_trains_and_writes_a_complete_record(entry, tmp_path, monkeypatch, request):
     data = _data(request, entry.data)
     _train(entry, data, tmp_path / "run", monkeypatch, request)

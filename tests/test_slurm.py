@@ -275,6 +275,7 @@ def submit_signal_and_wait(slurm, tmp_path, script: str, sbatch: list, args: lis
     return job, text(), int(stopped.group(1))
 
 
+@pytest.mark.slow
 def test_torchrun_sbatch_script_trains_two_processes_and_a_signalled_job_requeues_itself(slurm, fashion_small,
                                                                                          tmp_path):
     """scripts/speedrun-torchrun.sbatch: one srun task runs torchrun with 2 processes, which meet
@@ -296,6 +297,7 @@ def test_torchrun_sbatch_script_trains_two_processes_and_a_signalled_job_requeue
     assert text.count("test accuracy") == 1 and "2 (32 images each per step, 1 node)" in text, text
 
 
+@pytest.mark.slow
 def test_a_job_signalled_before_its_time_limit_requeues_itself_and_ends_with_the_uninterrupted_weights(
         slurm, fashion_small, tmp_path):
     """scripts/speedrun.sbatch with one task: SIGUSR1 (what its --signal line asks for ahead of the

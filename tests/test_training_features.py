@@ -87,6 +87,7 @@ def killed_at_first_checkpoint(args: list, run) -> dict:
 
 # eager: what "auto" is on CPUs without and with bf16; low-resolution windows (augment.low_res =
 # crop) drawn per epoch, resumed in the middle of a 20 px epoch
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, extra", [
     ("fp32", []), ("bf16", []),
     ("fp32", ["augment.translate=2", "augment.low_res=crop", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"])],
@@ -256,6 +257,7 @@ def test_the_batch_is_settled_before_the_session_which_never_changes_its_recipe(
     assert session.recipe is settled and session.local_batch == 512
 
 
+@pytest.mark.slow
 def test_batch_finder_halves_on_a_real_out_of_memory(cifar_small, tmp_path):
     """Run with an address-space limit so that the large batch really fails to allocate: a
     training step of the cifar10-94 net with fp32 batch norm takes about 1.7 MB per image, so
