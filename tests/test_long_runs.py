@@ -149,10 +149,11 @@ def test_each_way_a_dead_worker_shows_up_is_the_one_line_data_error(death):
     assert next(batches) == "first batch"
     with pytest.raises(DataError, match=r"reading /photos ended unexpectedly \(\S.*\); the system may have run out"):
         next(batches)
+
+
+def test_a_runtime_error_of_another_kind_passes_through_the_loader_unchanged():
+    def loader():
+        raise RuntimeError("unrelated")
+        yield
     with pytest.raises(RuntimeError, match="unrelated"):
-        next(batches_of(iter_raising(RuntimeError("unrelated")), "/photos"))
-
-
-def iter_raising(err):
-    raise err
-    yield
+        next(batches_of(loader(), "/photos"))
