@@ -33,9 +33,11 @@ def pytest_configure(config):
         import tempfile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     # under xdist the workers share the 2 cores: one thread each, and the same for the
-    # speedrun processes the tests start
+    # speedrun processes the tests start (and inductor compiles in the process, without a pool
+    # of compile workers that each import torch again)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         import torch
         torch.set_num_threads(1)
 

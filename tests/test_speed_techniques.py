@@ -1,5 +1,8 @@
 """Issue 5's candidate techniques: orthogonalised filter updates and cheaper TTA."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,6 +145,52 @@ def test_flop_count_follows_the_tta_fraction():
     r = load_recipe("cifar10-94", ["eval.tta_fraction=0.2"])
     forward = per_image_flops(r, 3, 10, (32, 32))["forward"]
     assert run_flops(r, 3, 10, (32, 32), [], 10_000)["eval_flops"] == pytest.approx(10_000 * forward * (1 + 5 * 0.2))
+
+
+def test_flop_counts_and_peaks_are_kept_for_the_next_process_and_only_for_the_same_key(tmp_path, monkeypatch):
+    """What a count is kept under: the model recipe and the size (and the model code and torch);
+    a kept count equals a fresh one. A file that is not JSON or a cache folder that cannot be
+    written costs a recount, never an error."""
+    from speedrun.engine import flops
+    monkeypatch.setenv("SPEEDRUN_CACHE", str(tmp_path / "cache"))
+    counted = []
+    real = flops.count_per_image_flops
+    monkeypatch.setattr(flops, "count_per_image_flops", lambda *a: counted.append(a[3:]) or real(*a))
+    r = load_recipe("cifar10-94", ["model.widths=[8,16,16]"])
+    first = flops.per_image_flops(r, 3, 10, (32, 32))
+    assert flops.per_image_flops(r, 3, 10, (32, 32)) == first == real(r, 3, 10, (32, 32)) and len(counted) == 1
+    flops.per_image_flops(r, 3, 10, (24, 24))
+    wider = flops.per_image_flops(load_recipe("cifar10-94", ["model.widths=[16,16,16]"]), 3, 10, (32, 32))
+    assert len(counted) == 3 and wider["train"] > first["train"]
+    kept = tmp_path / "cache" / flops.KEPT_FILE
+    assert {v["kind"] for v in json.loads(kept.read_text()).values()} == {"per_image_flops"}
+    kept.write_text("{not json")
+    assert flops.per_image_flops(r, 3, 10, (32, 32)) == first and len(counted) == 4
+    assert len(json.loads(kept.read_text())) == 1                        # written again, whole
+    before = kept.read_text()
+    monkeypatch.setenv("SPEEDRUN_CACHE", str(kept))                      # a file where the folder should be
+    assert flops.per_image_flops(r, 3, 10, (32, 32)) == first and len(counted) == 5
+    assert flops.kept_peak("cpu", "a CPU (1 threads)", "fp32") > 0 and kept.read_text() == before
+
+
+def test_an_eager_run_whose_counts_are_kept_does_not_import_the_compiler(tmp_path, fashion_small):
+    """The first eager run counts its FLOPs (torch's counter imports torch._dynamo, about 1.5 s of
+    CPU time with sympy) and measures the CPU's peak; a second run of the same model with the
+    same cache folder reads both and never imports torch._dynamo, reporting the same figures."""
+    env = {**os.environ, "SPEEDRUN_CACHE": str(tmp_path / "cache")}
+    args = ["train", "fashion-mnist", "--data-dir", str(fashion_small), "--device", "cpu", "--set", "data.dataset=npz",
+            "--set", "train.epochs=0.5", "--set", "model.widths=[8,16,16]", "--set", "data.batch_size=256"]
+    imported, summaries = [], []
+    for name in ("first", "second"):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "speedrun", *args, "--out",
+                               str(tmp_path / name)], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        imported.append({line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if "|" in line})
+        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    assert "torch._dynamo" in imported[0] and "torch._dynamo" not in imported[1]
+    first, second = summaries
+    assert first["total_flops"] == second["total_flops"] > 0 and first["compile"] is False
+    assert first["peak_flops_per_s"] == second["peak_flops_per_s"] > 0 and second["peak_source"] == "measured matmul"
 
 
 @pytest.mark.parametrize("filters", ["orthogonal", "same"])

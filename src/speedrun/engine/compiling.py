@@ -8,6 +8,7 @@ Every figure here is a measurement named where it was made, or an estimate said 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,10 @@ def keep_compiled_code(cache_root: Path | None = None) -> str:
 
 
 def cache_counts() -> dict[str, int]:
-    """Inductor's FX-graph cache hits and misses in this process so far (torch's counters)."""
+    """Inductor's FX-graph cache hits and misses in this process so far (torch's counters): none
+    before dynamo is imported (an eager run need not import it, about a second of start-up)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return {"hits": 0, "misses": 0}
     from torch._dynamo.utils import counters
     return {"hits": int(counters["inductor"]["fxgraph_cache_hit"]),
             "misses": int(counters["inductor"]["fxgraph_cache_miss"])}

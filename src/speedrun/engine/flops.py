@@ -3,10 +3,20 @@
 FLOPs are counted by torch's own ``FlopCounterMode`` on a model built on the meta device
 (no memory, no compute), for one forward and one forward+backward pass. Page's series used
 the same yardstick: the time the run would take at 100% of the device's peak rate.
+
+Both figures a run's summary needs cost time at its end that has nothing to do with its
+training (on a 2-core CPU about 1.5 s for the counter's first use, which imports torch's
+compiler, and 0.4 s for an fp32 peak, 2.5 s for an emulated bf16 one), so each is kept in
+``counts.json`` in speedrun's cache folder (``$SPEEDRUN_CACHE``, else ``~/.cache/speedrun``)
+and the next process with the same model code, sizes, torch and machine reads it there.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import platform
 import re
 import time
 from collections import Counter
@@ -18,8 +28,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .evaluate import TTA_VIEWS
 from .sizes import step_image_shapes
+from ..compat import cpu_bf16_units
+from ..errors import SpeedrunError
+from ..files import atomic_write_json
 from ..models import build_model
 from ..recipe import Recipe, steps_per_epoch
+
+KEPT_FILE = "counts.json"
+"""Where :func:`kept` keeps FLOP counts and measured peaks, in speedrun's cache folder."""
 
 # Dense (no sparsity) tensor-core peaks in FLOP/s from the vendors' datasheets, for the
 # precisions a recipe runs in, keyed by the tokens of the name torch.cuda.get_device_name
@@ -89,11 +105,74 @@ def measured_peak(device_type: str, precision: str, size: int | None = None, rep
     return best
 
 
+# ------------------------------------------------------------------------------------------
+# Figures kept for the next process
+# ------------------------------------------------------------------------------------------
+
+def _read_kept(path) -> dict:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def kept(kind: str, key: dict, compute):
+    """``compute()``, or the value an earlier process computed for the same ``kind`` and ``key``
+    and kept in :data:`KEPT_FILE`. A file that is missing, unreadable or not speedrun's, or a
+    folder that cannot be written, only means computing again (and not keeping)."""
+    from ..data.sources.cache import cache_root
+    path = cache_root() / KEPT_FILE
+    name = hashlib.sha256(json.dumps([kind, key], sort_keys=True).encode()).hexdigest()[:32]
+    found = _read_kept(path).get(name)
+    if isinstance(found, dict) and found.get("kind") == kind:
+        return found["value"]
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {**_read_kept(path), name: {"kind": kind, "value": value}})
+    except (OSError, SpeedrunError):
+        pass
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def models_digest() -> str:
+    """A digest of the model code (speedrun.models' source): a kept FLOP count is for this code."""
+    from .. import models
+    root = os.path.dirname(models.__file__)
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+def kept_peak(device_type: str, device_name: str, precision: str) -> float:
+    """:func:`measured_peak`, kept per machine (the device's name and thread count, the CPU's
+    native half-precision units), torch release and precision."""
+    key = {"device": device_name, "torch": torch.__version__, "precision": precision, "cores": os.cpu_count(),
+           "arch": platform.machine(), "bf16_units": list(cpu_bf16_units()) if device_type == "cpu" else None}
+    return kept("measured_peak", key, lambda: measured_peak(device_type, precision))
+
+
 def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
                     image_size: tuple[int, int], whiten_frozen: bool = False) -> dict[str, float]:
     """FLOPs per image of a forward pass and of a training step (forward + backward);
     ``whiten_frozen``: a step after the whitening bias has left the backward (nothing before
-    the first convolution needs a gradient, so its input gradient is not computed)."""
+    the first convolution needs a gradient, so its input gradient is not computed). Kept
+    (:func:`kept`) for this model code, model recipe, channels, classes, size and torch."""
+    key = {"models": models_digest(), "torch": torch.__version__, "model": recipe.model.model_dump(mode="json"),
+           "in_channels": in_channels, "num_classes": num_classes, "size": list(image_size),
+           "whiten_frozen": whiten_frozen}
+    return kept("per_image_flops", key,
+                lambda: count_per_image_flops(recipe, in_channels, num_classes, image_size, whiten_frozen))
+
+
+def count_per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
+                          image_size: tuple[int, int], whiten_frozen: bool = False) -> dict[str, float]:
+    """:func:`per_image_flops`, counted here."""
     n = 2
     with torch.device("meta"):
         model = build_model(recipe.model, in_channels, num_classes)
@@ -154,7 +233,7 @@ def efficiency(total_flops: float, seconds: float, device_type: str, device_name
     peak = None if measure else known_peak(device_name, precision)
     source = "datasheet"
     if peak is None and measure is not False:
-        peak, source = measured_peak(device_type, precision), "measured matmul"
+        peak, source = kept_peak(device_type, device_name, precision), "measured matmul"
     achieved = total_flops / seconds if seconds > 0 else None
     return {
         "achieved_flops_per_s": achieved,
