@@ -71,13 +71,16 @@ def test_only_training_calls_of_3x3_stride_1_convolutions_in_bf16_take_them():
         assert not wg.takes(conv, x16)
 
 
-def test_auto_times_each_shape_once_and_the_gradients_agree():
+def test_auto_times_each_shape_once_and_the_gradients_agree(monkeypatch):
     torch.manual_seed(0)
     conv = Conv(16, 32, 3).to(memory_format=torch.channels_last)
     x = torch.randn(24, 16, 5, 5).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
+    timed, measure = [], wg._measure
+    monkeypatch.setattr(wg, "_measure", lambda *a: timed.append(a[1].shape) or measure(*a))
     grads = {}
-    for mode in ("torch", "gemm", "auto", "auto"):
-        wg.set_mode(mode)
+    for step, mode in enumerate(("torch", "gemm", "auto", "auto")):
+        # the second "auto" step is a later step of the same run: it keeps the first one's choice
+        wg.set_mode(mode, forget=step < 3)
         conv.zero_grad()
         x.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -88,7 +91,10 @@ def test_auto_times_each_shape_once_and_the_gradients_agree():
     (w_torch, x_torch), (w_gemm, x_gemm) = grads["torch"][0], grads["gemm"][0]
     assert torch.equal(x_torch, x_gemm)                        # the input gradient is torch's either way
     assert ((w_gemm - w_torch).norm() / w_torch.norm()) < 1e-2
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(grads["auto"], grads["auto"][1:]))
+    assert timed == [x.shape]                                  # timed on the first "auto" step only
+    first, later = grads["auto"]
+    assert torch.equal(first[0], later[0])                     # the measured step gives the kept way's gradient
+    assert torch.equal(later[0], w_gemm if wg.choices()["24x16x5x5->32"] == "gemm" else w_torch)
 
 
 @pytest.mark.slow
