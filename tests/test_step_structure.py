@@ -7,7 +7,9 @@ or a sync creeps back into the step.
 Compiled with aot_eager (dynamo's capture and AOTAutograd's joint graph, as inductor gets
 them, without code generation), on narrow nets, batches of 64 and 64 test images: the counts
 do not depend on width or batch size (on a CPU without native bf16 and fp16, half-precision
-convolutions run a slow reference kernel, and these sizes keep the tests short there)."""
+convolutions run a slow reference kernel, and these sizes keep the tests short there). Some
+steps are counted as a CPU runs them, others as CUDA runs them with CUDA graphs on (the GPU
+record recipe's way), where the compiled graphs' inputs are checked in the same compile."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +23,10 @@ import torch
 from speedrun.engine.loop import Session
 from speedrun.engine.precision import NONFINITE_PATIENCE, NonFiniteLoss
 from speedrun.engine.runtime import BACKEND_VARIABLE, Runtime
-from speedrun.profiling.step_structure import cuda_graph_inputs, measure, profiled
+from speedrun.profiling.step_structure import as_on_cuda, cuda_graph_inputs, measure, profiled
 from speedrun.recipe import load_recipe
 
-from matrix import CUDA_GRAPH_ROWS, STRUCTURE_BATCHES, structure_slice
+from matrix import CUDA_GRAPH_ROWS, STEP_ROWS, STRUCTURE_BATCHES, structure_slice
 
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src" / "speedrun"
@@ -41,20 +43,18 @@ def _structure(name, data, precision, compiled, monkeypatch, *sets):
     return measure(recipe, data, Runtime(CPU, precision, compiled, True, "default", "aot_eager"), steps=4)
 
 
-@pytest.mark.parametrize("name, precision, sets", [
-    ("cifar10-94", "fp32", ["model.widths=[16,32,32]"]),
-    ("cifar10-94", "fp16", ["model.widths=[16,32,32]"]),                     # loss scaling, skip on the device
-    ("cifar10-94-fast", "bf16", ["model.widths=[16,32,32]"]),                # orthogonal filter updates
-    ("dawnbench-resnet18", "bf16", ["model.width=8", "augment.cutmix=1.0",   # mixing, LAMB, one-cycle momentum
-                                    "optim.name=lamb", "optim.lr=0.02"]),
-    ("fashion-mnist", "bf16", ["model.widths=[16,32,32]", "optim.name=lars", "schedule={kind='onecycle', "
-                               "peak_at=0.3, start=0.1, end=0.01, momentum_low=0.8}", "averaging.kind=ema",
-                               "averaging.decay=0.9"]),
-])
+@pytest.mark.parametrize("name, precision, sets, on_cuda", STEP_ROWS)
 def test_a_compiled_step_is_three_regions_with_no_breaks_few_eager_ops_and_no_sync(
-        name, precision, sets, cifar_slice, fashion, monkeypatch):
+        name, precision, sets, on_cuda, cifar_slice, fashion, monkeypatch):
+    """Counted as a CPU runs the step, or (``on_cuda``) as CUDA runs it with CUDA graphs on,
+    whose graphs' inputs are then checked too (see the test below)."""
     data = structure_slice(fashion) if name == "fashion-mnist" else cifar_slice
-    s = _structure(name, data, precision, True, monkeypatch, *sets)
+    if on_cuda:
+        runtime, graphs = as_on_cuda(precision)
+        s = measure(load_recipe(name, [*STRUCTURE_BATCHES, *sets]), data, runtime, steps=4)
+        _check_cuda_graph_inputs(graphs)
+    else:
+        s = _structure(name, data, precision, True, monkeypatch, *sets)
     assert s["graph_breaks"] == 0 and s["graph_breaks_during_steps"] == 0 and s["recompiles_during_steps"] == 0, s
     assert s["compiled_regions_per_step"] <= 3, s
     assert s["eager_ops_per_step"] <= 10, s["eager_op_names_worst_step"]
@@ -122,6 +122,13 @@ def test_fp16_gradient_overflow_with_a_finite_loss_is_skipped_on_the_device_and_
     assert float(session.step.precision.scaler.scale) == 2.0 ** (16 - 32)
 
 
+def _check_cuda_graph_inputs(graphs: list[dict]) -> None:
+    update = max(graphs, key=lambda g: g["mutated"])
+    assert update["mutated"] > 40 and update["static"] >= update["mutated"], graphs    # the update: seen
+    for g in graphs:
+        assert g["shared_storage"] == [] and g["mutated_not_static"] == 0, g
+
+
 @pytest.mark.parametrize("name, precision, sets", CUDA_GRAPH_ROWS)
 def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, precision, sets, cifar_slice):
     """Inductor runs a graph that mutates an input which is not a static address without CUDA
@@ -129,14 +136,10 @@ def test_under_cuda_graphs_every_input_a_compiled_graph_mutates_is_static(name, 
     the step marks them static, and no two of them may share a storage (AOTAutograd's synthetic
     base for such aliases drops the marks: the averaged weights were state_dict()'s detached
     views of the parameters, and the whole update ran without CUDA graphs on an H200). The
-    gradients, new tensors every step, are read and never written (fp16 included)."""
+    gradients, new tensors every step, are read and never written (fp16 included: checked with
+    the rows of the test above that run as on CUDA)."""
     recipe = load_recipe(name, [*STRUCTURE_BATCHES, *sets])
-    graphs = cuda_graph_inputs(recipe, cifar_slice, precision)["graphs"]
-    update = max(graphs, key=lambda g: g["mutated"])
-    assert update["mutated"] > 40 and update["static"] >= update["mutated"], graphs    # the update: seen
-    for g in graphs:
-        assert g["shared_storage"] == [] and g["mutated_not_static"] == 0, g
-
+    _check_cuda_graph_inputs(cuda_graph_inputs(recipe, cifar_slice, precision)["graphs"])
 
 
 def test_the_fp16_overflow_flag_reads_the_gradients_without_writing_them():

@@ -199,25 +199,25 @@ def measure(recipe, source, runtime, steps: int | None = None, timed_steps: int 
     }
 
 
-def cuda_graph_inputs(recipe, source, precision: str = "fp32") -> dict:
-    """What CUDA graph trees would be given, graph by graph, for ``recipe``'s compiled step
-    and evaluation, measured on this CPU. The run is built as on CUDA (``cuda_graphs`` on, so
-    the step marks every parameter, optimizer and averaging tensor as a static address) and
-    compiled through AOTAutograd without code generation; for each forward or inference graph,
-    in compile order: its inputs, the static ones (AOTAutograd's ``static_input_indices``, what
-    inductor hands cudagraph trees), the inputs it mutates, and the mutated ones that are not
-    static. Inductor runs a graph with any of those last without CUDA graphs ("skipping
-    cudagraphs due to mutated inputs"). ``shared_storage``: groups of the graph's inputs that
-    are different tensors over one storage (AOTAutograd then merges them into a synthetic base
-    and its static marks are lost: the update's averaged weights did this while they were
-    ``state_dict()``'s detached views of the parameters). Returned as ``graphs``, with the
-    count of the step's ``parameters``."""
+def as_on_cuda(precision: str = "fp32"):
+    """A CPU runtime that builds a run as on CUDA with CUDA graphs on (the step marks every
+    parameter, optimizer and averaging tensor as a static address, and warms up as cudagraph
+    trees would), compiled through AOTAutograd without code generation, and the list its
+    compiler fills, graph by graph, with what CUDA graph trees would be given: for each
+    forward or inference graph, in compile order, its inputs, the static ones (AOTAutograd's
+    ``static_input_indices``, what inductor hands cudagraph trees), the inputs it mutates, and
+    the mutated ones that are not static. Inductor runs a graph with any of those last
+    without CUDA graphs ("skipping cudagraphs due to mutated inputs"). ``shared_storage``:
+    groups of the graph's inputs that are different tensors over one storage (AOTAutograd then
+    merges them into a synthetic base and its static marks are lost: the update's averaged
+    weights did this while they were ``state_dict()``'s detached views of the parameters).
+
+    Build a :class:`~speedrun.engine.loop.Session` on the runtime (or :func:`measure` the step
+    on it) after ``torch._dynamo.reset()``; the list then holds the run's graphs."""
     import dataclasses
-    import torch._dynamo as dynamo
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._guards import TracingContext
-    from ..engine.loop import Session
     from ..engine.runtime import Runtime
 
     graphs: list[dict] = []
@@ -248,7 +248,16 @@ def cuda_graph_inputs(recipe, source, precision: str = "fp32") -> dict:
         def cuda_graphs(self) -> bool:
             return True
 
+    return AsOnCuda(torch.device("cpu"), precision, True, True, "default", backend), graphs
+
+
+def cuda_graph_inputs(recipe, source, precision: str = "fp32") -> dict:
+    """What CUDA graph trees would be given, graph by graph, for ``recipe``'s compiled step
+    and evaluation, measured on this CPU (:func:`as_on_cuda`): ``graphs``, with the count of
+    the step's ``parameters``."""
+    import torch._dynamo as dynamo
+    from ..engine.loop import Session
+    runtime, graphs = as_on_cuda(precision)
     dynamo.reset()
-    runtime = AsOnCuda(torch.device("cpu"), precision, True, True, "default", backend)
     session = Session(recipe, source, runtime, warm_up=True)   # the warm-up compiles every graph of a run
     return {"graphs": graphs, "parameters": len(session.step.params)}
