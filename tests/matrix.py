@@ -148,8 +148,10 @@ MATRIX: list[Entry] = [
     # the two remaining corners of fp32/bf16 x eager/compiled
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=auto"] + SPEEDNET_SHORTER),
           "bf16"),
-    # 3x3 weight gradients always as matrix products (auto measures them in the entry above)
-    Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + ["runtime.conv_weight_grad=gemm"]), "bf16"),
+    # 3x3 weight gradients always as matrix products (auto measures them in the entry above); on a
+    # 2-core Zen 3 it reached 31% of the 256 test images, with and without TTA (the bar: 15.6%)
+    Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + SPEEDNET_NARROWER + ["runtime.conv_weight_grad=gemm"]),
+          "bf16"),
     # (no entry for runtime.compile_mode or runtime.cuda_graphs: a CPU refuses max-autotune and
     # replays no CUDA graphs; the inductor options each pair gives are tested in
     # test_cuda_decisions.py; the lending's record recipe, cifar10-94-gpu, runs with them on a GPU)
