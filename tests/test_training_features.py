@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,12 +62,20 @@ def test_accumulating_four_micro_batches_equals_one_full_batch(fashion, n):
         assert (a - b).norm() / (b - w).norm() < 1e-5        # the same step, relative to its size
 
 
-def test_training_with_accumulation_learns(fashion_small, tmp_path):
-    # a speed net has batch norm, so accumulation changes its statistics; the run still learns
-    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "acc", *TINY,
+@pytest.fixture(scope="module")
+def accumulated(fashion_small, tmp_path_factory) -> Path:
+    """16 epochs of the tiny net in 4 micro-batches a step: its run folder (also the teacher of
+    the distillation test below)."""
+    out = tmp_path_factory.mktemp("accumulated") / "acc"
+    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", out, *TINY,
              "--set", "train.epochs=16", "--set", "train.accumulate=4")
-    s = json.loads((tmp_path / "acc" / "summary.json").read_text())
-    assert s["test_acc"] > 0.5
+    return out
+
+
+def test_training_with_accumulation_learns(accumulated):
+    # a speed net has batch norm, so accumulation changes its statistics; the run still learns
+    s = json.loads((accumulated / "summary.json").read_text())
+    assert s["test_acc"] > 0.5 and s["steps"] == 64
 
 
 # ------------------------------------------------------------------------------- resume
@@ -211,11 +220,10 @@ def test_distillation_loss_is_temperature_scaled_kl():
     assert distillation_loss(t, t, T) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_distill_from_a_teacher_checkpoint(fashion_small, tmp_path):
-    speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "teacher", *TINY,
-             "--set", "train.epochs=16")
+def test_distill_from_a_teacher_checkpoint(fashion_small, tmp_path, accumulated):
+    # the teacher: the accumulated run above (its config.toml beside its weights says how to build it)
     speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "student", *TINY,
-             "--set", "train.epochs=16", "--set", f"distill.teacher={tmp_path / 'teacher' / 'model.pt'}",
+             "--set", "train.epochs=16", "--set", f"distill.teacher={accumulated / 'model.pt'}",
              "--set", "model.widths=[8,8,8]")
     s = json.loads((tmp_path / "student" / "summary.json").read_text())
     assert s["test_acc"] > 0.4                            # a smaller net than its teacher
