@@ -102,7 +102,7 @@ def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch):
     small = dataclasses.replace(fashion, train_x=fashion.train_x[:4096], train_y=fashion.train_y[:4096],
                                 test_x=fashion.test_x[:2000], test_y=fashion.test_y[:2000])
     recipe = load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=256", "train.epochs=2",
-                                           "eval.every=0"])
+                                           "eval.every=0", "eval.tta=none"])
     accuracy, calls = {}, []
     real = wg.gemm_weight_grad
     monkeypatch.setattr(wg, "gemm_weight_grad", lambda g, x, **kw: calls.append(x.shape) or real(g, x, **kw))
@@ -110,7 +110,7 @@ def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch):
         rt = dataclasses.replace(resolve_runtime(RuntimeConfig(precision="bf16", compile="off"), CPU),
                                  conv_weight_grad=mode).activate()
         accuracy[mode] = Session(recipe, small, rt).run(seed=0).test_acc
-    # chance is 0.1; on a 2-core Zen 3 both reached 0.48 (47.65% and 47.85% of the 2,000 test images)
+    # chance is 0.1; on a 2-core Zen 3 both reached 0.47 (47.0% and 46.9% of the 2,000 test images, no TTA)
     assert accuracy["gemm"] > 0.4 and abs(accuracy["gemm"] - accuracy["torch"]) < 0.03, accuracy
     steps = 2 * (4096 // 256)
     assert len(calls) == steps * 6, len(calls)                  # every 3x3 layer of every step (6 of them)
