@@ -231,12 +231,13 @@ STEP_ROWS: list[tuple[str, str, list[str], bool]] = [
     ("fashion-mnist", "bf16", [*_NARROW, "optim.name=lars", "schedule={kind='onecycle', peak_at=0.3, start=0.1, "
                                "end=0.01, momentum_low=0.8}", "averaging.kind=ema", "averaging.decay=0.9"], False),
 ]
-# ... and the rows only checked for their graphs' inputs (warmed up as on CUDA, not counted)
+# ... and the rows only checked for their graphs' inputs (warmed up as on CUDA, not counted). The
+# update's inputs do not depend on the autocast precision (the bf16 and fp16 rows above check
+# those graphs), so these run in fp32, whose warm-up steps are not emulated on CPUs without bf16.
 CUDA_GRAPH_ROWS: list[tuple[str, str, list[str]]] = [
     ("cifar10-94", "fp32", _NARROW),
-    ("cifar10-94", "bf16", _NARROW),
-    ("cifar10-94-cpu", "bf16", _NARROW),                 # three sizes, pruning weights
-    ("cifar10-94", "bf16", [*_NARROW, "optim.name=lars", "averaging.kind=ema", "averaging.decay=0.9"]),
+    ("cifar10-94-cpu", "fp32", _NARROW),                 # three sizes, pruning weights
+    ("cifar10-94", "fp32", [*_NARROW, "optim.name=lars", "averaging.kind=ema", "averaging.decay=0.9"]),
 ]
 
 
