@@ -173,10 +173,18 @@ def tiny64(artifacts, data_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def imagenet224(artifacts, data_dir) -> Path:
-    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: 256 train, 256 val images."""
-    return build_once(artifacts, "imagenet224", lambda tmp: _cli(
-        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 256,
-        "--size", 224))
+    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: the first 256 train and 512 val
+    images. The runs on it train little (a few dozen steps at 32 px), so the larger test split
+    holds their accuracy's bar (chance + 3 standard errors) at 14.0% rather than 15.6%: on a
+    2-core Zen 3 the compiled bf16 resnet18-fast entry scored 15.6% on the first 256 val images
+    under one seed, and 16.2-21.1% on all 512 under seeds 0-7."""
+    def build(tmp):
+        _cli("data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 512,
+             "--size", 224)
+        for photo in (tmp / "train").glob("*/*.jpg"):       # named by their index in CIFAR-10's train set
+            if int(photo.stem) >= 256:
+                photo.unlink()
+    return build_once(artifacts, "imagenet224", build)
 
 
 IMAGENETTE_CLASSES = ("n01440764", "n02102040", "n02979186", "n03000684", "n03028079", "n03394916", "n03417042",
