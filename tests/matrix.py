@@ -127,7 +127,7 @@ MATRIX: list[Entry] = [
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET)),
     # the CUDA default of the main recipe: compiled by inductor, in a real process whose compiled
     # code a second process reuses (32 steps of 64: on a 2-core Zen 3 both reached 19% of the
-    # 256 test images, 20% without TTA, as 12 steps of 256 did)
+    # 256 test images, 20% without TTA, as 12 steps of 256 (SPEEDNET's length then) did)
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + SPEEDNET_SHORTER), "bf16", "inductor",
           cache_reuse=True),
     *_shared("cifar10-94-fast", "cifar_small", NPZ + SPEEDNET, compiled_by="cifar10-94-cpu"),
@@ -209,7 +209,8 @@ FIELDS: list[Entry] = [
         "milestones=[0.2], gamma=0.5}", "augment.cutmix=1.0", "augment.mix_prob=0.5", "augment.crop=random_resized",
         "augment.rrc_ratio=[0.5, 2.0]", "augment.flip=none"])),
     # LARS knobs and a cosine schedule with a warm-up start and floor; relu; the batch finder (at
-    # LR 20, on a 2-core Zen 3, it stayed near chance under 3 of seeds 0-3; at 10, 34-46%)
+    # LR 20, on a 2-core Zen 3, it stayed near chance under 3 of seeds 0-3 in 3 epochs, and under
+    # seed 0 in 6; at LR 10 and 6 epochs, 34-46%)
     Entry("fashion-mnist", "fashion_small", tuple(NPZ + SPEEDNET + [
         "optim.name=lars", "optim.lr=10.0", "optim.trust_coefficient=0.002", "optim.lr_scaling=none",
         "schedule={kind='cosine', warmup_epochs=0.25, warmup_start=0.1, end=0.05}", "model.activation=relu",
