@@ -1,24 +1,15 @@
 """Shared fixtures: the real datasets, and small real data sets made from them once per test
 session (shared by pytest-xdist's workers through a file lock)."""
 import os
-import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from filelock import FileLock
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-def shared_data() -> Path:
-    """The real datasets: $SPEEDRUN_DATA (CI sets it) or ../shared/datasets beside the repo."""
-    path = Path(os.environ.get("SPEEDRUN_DATA") or REPO.parent / "shared" / "datasets")
-    if not (path / "cifar-10-batches-py").is_dir():
-        raise RuntimeError(f"the shared datasets are not at {path}; set SPEEDRUN_DATA to the folder "
-                           "holding cifar-10-batches-py/ and fashion-mnist/")
-    return path
+import small_data  # noqa: E402
+from small_data import REPO, build_once, shared_data, speedrun as _cli  # noqa: E402,F401
 
 
 def pytest_configure(config):
@@ -114,112 +105,34 @@ def artifacts(tmp_path_factory) -> Path:
     return root
 
 
-def build_once(root: Path, name: str, build) -> Path:
-    """``root/name``, made by ``build(path)`` by whichever worker gets there first."""
-    path = root / name
-    with FileLock(str(root / f".{name}.lock")):
-        if not path.exists():
-            tmp = root / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            build(tmp)
-            os.replace(tmp, path)
-    return path
-
-
-def subset_npz(ds, path: Path, n_train: int, n_test: int) -> None:
-    """The first images of a built-in set as an .npz dataset (with its class names)."""
-    np.savez(path, x_train=ds.train_x[:n_train].numpy(), y_train=ds.train_y[:n_train].numpy(),
-             x_test=ds.test_x[:n_test].numpy(), y_test=ds.test_y[:n_test].numpy(), classes=np.array(ds.classes))
-
-
-def _cli(*args):
-    from test_cli import speedrun
-    return speedrun(*args)
-
-
 @pytest.fixture(scope="session")
-def cifar_small(artifacts, cifar10) -> Path:
+def cifar_small(artifacts, data_dir, cifar10) -> Path:
     """CIFAR-10's first 1,024 training and 256 test images."""
-    def build(tmp):
-        tmp.mkdir()
-        subset_npz(cifar10, tmp / "cifar.npz", 1024, 256)
-    return build_once(artifacts, "cifar-small", build) / "cifar.npz"
+    return small_data.cifar_small(artifacts, data_dir, cifar10)
 
 
 @pytest.fixture(scope="session")
-def fashion_small(artifacts, fashion) -> Path:
+def fashion_small(artifacts, data_dir, fashion) -> Path:
     """Fashion-MNIST's first 1,024 training and 256 test images."""
-    def build(tmp):
-        tmp.mkdir()
-        subset_npz(fashion, tmp / "fashion.npz", 1024, 256)
-    return build_once(artifacts, "fashion-small", build) / "fashion.npz"
+    return small_data.fashion_small(artifacts, data_dir, fashion)
 
 
-@pytest.fixture(scope="session")
-def jpeg32(artifacts, data_dir) -> Path:
-    """CIFAR-10 as JPEG files at 32 px in the ImageNet layout: 512 train, 512 val images."""
-    return build_once(artifacts, "jpeg32", lambda tmp: _cli("data", "export", "cifar10", "--format", "jpeg",
-                                                           "--out", tmp, "--data-dir", data_dir, "--limit", 512))
+def _small(name: str):
+    """A session fixture for one of small_data's builders (its docstring says what it makes)."""
+    build = small_data.BUILDERS[name]
+
+    def fixture(artifacts, data_dir) -> Path:
+        return build(artifacts, data_dir)
+    fixture.__name__, fixture.__doc__ = name, build.__doc__
+    return pytest.fixture(scope="session", name=name)(fixture)
 
 
-@pytest.fixture(scope="session")
-def tiny64(artifacts, data_dir) -> Path:
-    """CIFAR-10 upscaled to 64 px in Tiny-ImageNet's layout (val/images + val_annotations.txt):
-    256 train, 256 val images."""
-    return build_once(artifacts, "tiny64", lambda tmp: _cli(
-        "data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 256,
-        "--size", 64, "--layout", "tiny-imagenet"))
-
-
-@pytest.fixture(scope="session")
-def imagenet224(artifacts, data_dir) -> Path:
-    """CIFAR-10 upscaled to 224 px photos in the ImageNet layout: the first 256 train and 512 val
-    images. The runs on it train little (a few dozen steps at 32 px), so the larger test split
-    holds their accuracy's bar (chance + 3 standard errors) at 14.0% rather than 15.6%: on a
-    2-core Zen 3 the compiled bf16 resnet18-fast entry scored 15.6% on the first 256 val images
-    under one seed, and 16.2-21.1% on all 512 under seeds 0-7."""
-    def build(tmp):
-        _cli("data", "export", "cifar10", "--format", "jpeg", "--out", tmp, "--data-dir", data_dir, "--limit", 512,
-             "--size", 224)
-        for photo in (tmp / "train").glob("*/*.jpg"):       # named by their index in CIFAR-10's train set
-            if int(photo.stem) >= 256:
-                photo.unlink()
-    return build_once(artifacts, "imagenet224", build)
-
-
-IMAGENETTE_CLASSES = ("n01440764", "n02102040", "n02979186", "n03000684", "n03028079", "n03394916", "n03417042",
-                      "n03425413", "n03445777", "n03888257")
-
-
-@pytest.fixture(scope="session")
-def imagenette_tiny(artifacts, imagenet224) -> Path:
-    """The 224 px photo folder with its ten classes named as Imagenette's (a small copy of
-    imagenette2's layout, which `data.dataset=imagenette` uses in place)."""
-    def build(tmp):
-        shutil.copytree(imagenet224, tmp)
-        for split in ("train", "val"):
-            for old, new in zip(sorted(p.name for p in (tmp / split).iterdir()), IMAGENETTE_CLASSES):
-                (tmp / split / old).rename(tmp / split / new)
-    return build_once(artifacts, "imagenette_tiny", build)
-
-
-@pytest.fixture(scope="session")
-def npz32(artifacts, jpeg32) -> Path:
-    """The 32 px JPEG folder decoded once (`speedrun data prepare`), for the resident path."""
-    def build(tmp):
-        tmp.mkdir()
-        _cli("data", "prepare", jpeg32, "--size", 32, "--out", tmp / "c32.npz", "--workers", 1)
-    return build_once(artifacts, "npz32", build) / "c32.npz"
-
-
-@pytest.fixture(scope="session")
-def tiny_npz32(artifacts, tiny64) -> Path:
-    """The 64 px Tiny-ImageNet-layout folder decoded once at 32 px (`speedrun data prepare
-    --size 32`), for the resident path."""
-    def build(tmp):
-        tmp.mkdir()
-        _cli("data", "prepare", tiny64, "--size", 32, "--out", tmp / "t32.npz", "--workers", 1)
-    return build_once(artifacts, "tiny_npz32", build) / "t32.npz"
+jpeg32 = _small("jpeg32")
+tiny64 = _small("tiny64")
+imagenet224 = _small("imagenet224")
+imagenette_tiny = _small("imagenette_tiny")
+npz32 = _small("npz32")
+tiny_npz32 = _small("tiny_npz32")
 
 
 TINY_BENCH = ["--set", "data.dataset=npz", "--set", "train.epochs=0.75", "--set", "model.widths=[8,16,16]",
@@ -246,8 +159,6 @@ def bench_records(artifacts, fashion_small):
     root = build_once(artifacts, "bench-records", build)
     return (root, *((root / f"{n}.stdout").read_text() for n in ("a", "b", "abl")))
 
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

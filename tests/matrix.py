@@ -5,6 +5,7 @@ plain Python, no test framework."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 # Each entry trains long enough on its small slice to beat chance by three standard errors of
 # its test accuracy (test_recipe_matrix.py checks): a few epochs of a narrow net, and a warm-up
@@ -69,6 +70,25 @@ class Entry:
     def id(self) -> str:
         mode = "eager" if self.backend is None else f"compiled-{self.backend}"
         return f"{self.recipe}-{self.data}-{self.precision}-{mode}"
+
+
+def command(entry: Entry, data: Path, out: Path, seed: int | None = None,
+            teacher: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The `speedrun` arguments that train ``entry`` on ``data`` into ``out`` (``seed``: in place
+    of the recipe's; ``teacher``: the model distilled from, for entries that take one), and the
+    environment its compile backend needs."""
+    sets = [s.replace("{tmp}", str(out.parent)) for s in entry.sets] + [f"runtime.precision={entry.precision}",
+                               f"runtime.compile={'off' if entry.backend is None else 'on'}"]
+    if "teacher" in entry.args:
+        sets.append(f"distill.teacher={teacher}")
+    if entry.data == "jpeg32_train":
+        sets.append(f"data.path={data}")
+        location = []
+    else:
+        location = ["--data-dir", str(data)]
+    argv = ["train", entry.recipe, *location, "--out", str(out), "--device", "cpu",
+            *sum((["--set", s] for s in sets), []), *(["--seed", str(seed)] if seed is not None else [])]
+    return argv, ({"SPEEDRUN_COMPILE_BACKEND": entry.backend} if entry.backend else {})
 
 
 def _both(recipe: str, data: str, sets: list[str], compiled_backend: str = "aot_eager", shorter: list[str] = (),

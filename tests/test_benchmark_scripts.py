@@ -607,7 +607,7 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
     """One round of the three peers on a 2,048-image slice given as an .npz (narrow widths, batch
     256, 2 epochs: 16 steps): every peer's figures, the medians the results page reads; every peer
     learned (chance is 10%: above it by three standard errors on the 1,000 test images)."""
-    from conftest import subset_npz
+    from small_data import subset_npz
     out, data = tmp_path / "peers.json", tmp_path / "cifar10-slice.npz"
     subset_npz(cifar10, data, 2048, 1000)
     proc = script("peers.py", "--epochs", 2, "--rounds", 1, "--data-dir", data, "--set", "model.widths=[16,32,32]",

@@ -23,7 +23,7 @@ from speedrun.recipe import recipe_from_dict
 from speedrun.use import export as export_module
 from speedrun.use.loaded import load_run, normalise
 
-from conftest import build_once
+from small_data import build_once
 from test_cli import speedrun
 from test_failures import assert_unchanged, check_refused, read_only, snapshot
 import test_failures

@@ -38,7 +38,7 @@ import torch
 from speedrun.cli import main
 from speedrun.recipe import Recipe, load_recipe, shipped_recipes
 
-from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, step_features
+from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, command, step_features
 from test_cli import speedrun
 from test_docs import field_paths
 
@@ -58,18 +58,8 @@ def teacher(tmp_path_factory, cifar_small):
 
 
 def _train(entry: Entry, data, out, monkeypatch, request) -> None:
-    sets = [s.replace("{tmp}", str(out.parent)) for s in entry.sets] + [f"runtime.precision={entry.precision}",
-                               f"runtime.compile={'off' if entry.backend is None else 'on'}"]
-    if "teacher" in entry.args:
-        sets.append(f"distill.teacher={request.getfixturevalue('teacher')}")
-    if entry.data == "jpeg32_train":
-        sets.append(f"data.path={data}")
-        location = []
-    else:
-        location = ["--data-dir", str(data)]
-    argv = ["train", entry.recipe, *location, "--out", str(out), "--device", "cpu",
-            *sum((["--set", s] for s in sets), [])]
-    env = {"SPEEDRUN_COMPILE_BACKEND": entry.backend} if entry.backend else {}
+    teacher = request.getfixturevalue("teacher") if "teacher" in entry.args else None
+    argv, env = command(entry, data, out, teacher=teacher)
     if entry.cache_reuse:
         return _train_twice(argv, out, env)
     if entry.subprocess:
