@@ -13,6 +13,7 @@ imports nothing from speedrun.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -66,12 +67,54 @@ class StopSignals:
                 signal.signal(s, signal.SIG_IGN if self.saving and s != signal.SIGINT else handler)
 
 
+@contextmanager
+def ignored_by_children():
+    """Start helper processes inside this block (a fork server, multiprocessing's resource
+    tracker): they begin with the stop signals ignored, and so does every process a fork server
+    forks later (a data loader's workers). A terminal's Ctrl-C and SLURM signal every process of
+    a group or job step; the run's main process alone decides what a stop does, and a helper
+    killed by one (the resource tracker dies of SIGUSR1, a fork server of SIGTERM, a worker of
+    SIGINT before its first line runs) would fail the run instead. Ignored signals stay ignored
+    across ``exec``, which is why this works for a fresh interpreter. Meanwhile this process
+    holds the signals back (blocked, not lost) and takes them once the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def ignore_in_worker(worker_id: int = 0) -> None:
     """A data-loading worker process leaves the stop signals to its parent: SLURM and a
     terminal signal every process of a job or process group, and a worker that died of one
     would fail the step the parent is finishing. The parent ends its workers itself."""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+
+
+def worker_of(owner: int, worker_id: int = 0) -> None:
+    """The start of a worker process that serves the process ``owner`` (a trainer; a data
+    loader's ``worker_init_fn``, with ``functools.partial``): it ignores the stop signals and ends as soon
+    as ``owner`` has ended, however it ended. A worker forked by a fork server is the server's
+    child, not the owner's, and the server lives as long as any child it forked: without this, a
+    trainer killed outright (SIGKILL, the out-of-memory killer) would leave its workers and
+    their server running, holding memory and the trainer's output pipes, for ever."""
+    ignore_in_worker()
+    try:
+        watch = os.pidfd_open(owner)
+    except ProcessLookupError:                # (already gone)
+        os._exit(0)
+
+    def wait() -> None:
+        select.select([watch], [], [])        # readable once the process has ended
+        os._exit(0)
+    threading.Thread(target=wait, name="speedrun-trainer-watch", daemon=True).start()
 
 
 def requeue_slurm_job(signum: int | None, env=None) -> str | None:

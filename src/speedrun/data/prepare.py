@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from ..files import check_output_file, check_output_folder, disk_error, make_fol
 from .sources.folder import ImageList, folder_splits, probe
 from .sources.builtin import load_dataset
 from .sources.skipped import Skipped
+from ..stop_signals import worker_of
 from .pipeline.stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
 
 DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
@@ -43,10 +45,30 @@ def progress_bar() -> Progress:
     return Progress(transient=True, disable=not sys.stdout.isatty())
 
 
-def worker_pool(workers: int, initializer=None, initargs=()) -> multiprocessing.pool.Pool:
+@contextmanager
+def worker_pool(workers: int, initializer=None, initargs=()) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of ``workers`` processes that are never forked from this one (see
-    :func:`.stream.worker_context`)."""
-    return worker_context().Pool(workers, initializer=initializer, initargs=initargs)
+    :func:`.stream.worker_context`), for a ``with`` block. Like every process of the fork server
+    its workers ignore the stop signals (the run's main process decides what a stop does), so
+    SIGTERM, which ``Pool.terminate`` sends, would not end them: the block closes the pool and
+    waits for its workers to finish, or on an error or an interruption kills them (SIGKILL)."""
+    pool = worker_context().Pool(workers, initializer=_pool_worker, initargs=(os.getpid(), initializer, initargs))
+    try:
+        yield pool
+    except BaseException:
+        for process in pool._pool:              # (the pool's worker processes)
+            process.kill()
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+
+
+def _pool_worker(owner: int, initializer, initargs) -> None:
+    worker_of(owner)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def _init_worker(items: ImageItems) -> None:

@@ -62,7 +62,7 @@ class RunStopped(Exception):
 
 
 class NullProgress:
-    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None: ...
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0, done: int = 0) -> None: ...
     def step(self) -> None: ...
     def epoch(self, record: EpochRecord) -> None: ...
     def final_evaluation(self, images: int, tta: str) -> None: ...
@@ -213,7 +213,7 @@ class Session:
         # the epochs the run trains, a fraction where its last epoch is partial (as the summary says)
         views = len(TTA_VIEWS[r.eval.tta]) * r.eval.tta_fraction + (1 - r.eval.tta_fraction)
         progress.start(self.total_steps, self.total_steps / self.steps_per_epoch, r.data.batch_size,
-                       round(len(self.source.test_y) * views))
+                       round(len(self.source.test_y) * views), done=resume["step"] if resume else 0)
 
         source = place_source(self.source, rt)          # (the move to the device: before the clock)
         clock = Clock(rt)

@@ -97,14 +97,15 @@ class LogLines:
     def print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None:
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0, done: int = 0) -> None:
         """``eval_images``: the images the final evaluation computes (TTA views counted), for
-        the ETA's estimate of it."""
+        the ETA's estimate of it; ``done``: the steps a resumed run had trained before."""
         self.total, self.epochs, self.batch = total_steps, EpochCount(epochs), batch_size
         self.steps_per_epoch, self.eval_images = total_steps / epochs, eval_images
-        self.done, self.epoch_now, self.last_loss = 0, 1, None
+        self.done, self.last_loss = done, None
+        self.epoch_now = min(int(done // self.steps_per_epoch) + 1, self.epochs.count)
         self.t0 = self.last_t = time.monotonic()
-        self.last_done = 0
+        self.first = self.last_done = done
         self.print(f"{self.title}: {total_steps} steps in {epochs_text(epochs)}, batch {batch_size}")
 
     def step(self) -> None:
@@ -115,7 +116,7 @@ class LogLines:
         if not due or self.done == self.total:
             return
         rate = (self.done - self.last_done) * self.batch / max(now - self.last_t, 1e-9)
-        per_step = (now - self.t0) / self.done
+        per_step = (now - self.t0) / (self.done - self.first)
         final_eval = per_step / self.batch * self.eval_images * EVAL_COST
         eta = per_step * (self.total - self.done) + final_eval
         loss = "" if self.last_loss is None else f" (epoch {self.epoch_now - 1} loss {self.last_loss:.4f})"
@@ -150,11 +151,13 @@ class ProgressBar:
     def print(self, text: str) -> None:
         self.bar.console.print(text, markup=False, highlight=False)
 
-    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0) -> None:
+    def start(self, total_steps: int, epochs: float, batch_size: int, eval_images: int = 0, done: int = 0) -> None:
         self.epochs = EpochCount(epochs)
         if self.task is not None:
             self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(f"{self.title} epoch {self.epochs.label(1)}", total=total_steps, info="")
+        epoch = min(int(done // (total_steps / epochs)) + 1, self.epochs.count)
+        self.task = self.bar.add_task(f"{self.title} epoch {self.epochs.label(epoch)}", total=total_steps,
+                                      completed=done, info="")
 
     def step(self) -> None:
         self.bar.advance(self.task)

@@ -12,12 +12,15 @@ exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import random
+import re
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Iterator
 
 import numpy as np
@@ -26,7 +29,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ...errors import DataError
-from ...stop_signals import ignore_in_worker
+from ...stop_signals import ignored_by_children, worker_of
 from ..augment.batch import reflect_pad
 from ..augment.resized_crop import RRC_TRIES, centre_fallback
 from ..sources.folder import ImageList, decode, read_bytes
@@ -45,9 +48,20 @@ def worker_context():
     threads (gloo's when training is split over processes, the pin-memory thread's, a progress
     bar's) into a child that then waits on it forever: a data-parallel run over an image folder
     hung so once in CI. What the workers receive is pickled; a script that starts them must
-    keep its own work under ``if __name__ == "__main__":`` (each worker imports the script)."""
+    keep its own work under ``if __name__ == "__main__":`` (each worker imports the script).
+    The server and multiprocessing's resource tracker are started here with the stop signals
+    ignored and blocked from their first instruction, and the workers the server forks inherit
+    the block (:func:`~speedrun.stop_signals.ignored_by_children`): a SIGTERM reaches none of
+    them, not even in the moment after a worker's start when torch's DataLoader installs its
+    own SIGTERM handler."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])     # only read when the server starts
+    # the tracker first, on its own: starting it unblocks SIGINT and SIGTERM in this process, which
+    # the server would then inherit unblocked (each is a no-op once its process runs)
+    with ignored_by_children():
+        resource_tracker.ensure_running()
+    with ignored_by_children():
+        mp.forkserver.ensure_running()
     return ctx
 
 
@@ -56,7 +70,6 @@ def start_worker_server(wait: bool = False) -> None:
     process does next; ``wait``: return only once it serves, by forking a child that does
     nothing (so that a run's clock, started later, does not count the server's start)."""
     ctx = worker_context()
-    mp.forkserver.ensure_running()
     if wait:
         child = ctx.Process(target=int, daemon=True)
         child.start()
@@ -238,8 +251,12 @@ def batches_of(loader: DataLoader, folder) -> Iterator:
         if isinstance(err, RuntimeError) and "DataLoader worker" not in str(err):
             raise
         why = (str(err).splitlines() or [f"{type(err).__name__}: its pipe closed"])[0]   # (an EOFError says nothing)
-        raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({why}); "
-                        "the system may have run out of memory: lower data.workers or free memory") from None
+        signalled = re.search(r"killed by signal: (.+?)\.?$", why)
+        if signalled and signalled.group(1) != "Killed":           # (SIGKILL: the out-of-memory killer's)
+            advice = f"another process sent it {signalled.group(1)}; find what signals speedrun's processes"
+        else:
+            advice = "the system may have run out of memory: lower data.workers or free memory"
+        raise DataError(f"a data loader worker reading {folder} ended unexpectedly ({why}); {advice}") from None
 
 
 class StreamedData:
@@ -262,7 +279,7 @@ class StreamedData:
         self.common = dict(num_workers=workers, pin_memory=runtime.device.type == "cuda", collate_fn=collate,
                            persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
                            multiprocessing_context=worker_context() if workers else None,
-                           worker_init_fn=ignore_in_worker)
+                           worker_init_fn=functools.partial(worker_of, os.getpid()))
         self.train_items = ImageItems(source.train, Decoding.for_training(source.channels, cfg, aug, seed))
         self.val_items = ImageItems(source.val, Decoding.for_evaluation(source.channels, cfg))
         self.train_sampler = EpochSampler(len(source.train), cfg.batch_size, seed, True, source.size, shard)
@@ -324,7 +341,7 @@ class StreamedData:
         sampler = EpochSampler(min(n, self.n_train), self.val_sampler.batch_size, 0, False, self.image_size[0])
         loader = DataLoader(items, batch_sampler=sampler, num_workers=self.train_loader.num_workers,
                             collate_fn=collate, multiprocessing_context=self.common["multiprocessing_context"],
-                            worker_init_fn=ignore_in_worker)
+                            worker_init_fn=functools.partial(worker_of, os.getpid()))
         batches = []
         for x, _, _, skipped in loader:
             self._note(skipped)
