@@ -10,9 +10,12 @@ lowest accuracy (with and without TTA, whichever is lower) and its margin over t
 images. Exit 1 where a run fell under its bar or failed.
 
     .venv/bin/python benchmarks/margins.py --seeds 8 --ways native,emulated --jobs 2 \
-        --out benchmarks/results/margins-bf16-CPU-COMMIT.json [--entries ID,ID ...] [--work DIR]
+        --out benchmarks/results/margins-bf16-CPU-COMMIT.json [--entries ID,ID ...] [--work DIR] \
+        [--set KEY=VALUE ...]
 
-Without ``--entries``: every bf16 entry of the matrix (``--precision all``: every entry).
+Without ``--entries``: every bf16 entry of the matrix (``--precision all``: every entry);
+``--tests``: the tests outside the matrix that assert a run learned in bf16 (LEARNING_TESTS), each
+under pytest with $SPEEDRUN_TEST_SEED.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +37,7 @@ sys.path.insert(0, str(TESTS))
 import small_data  # noqa: E402
 from matrix import FIELDS, MATRIX, command  # noqa: E402
 
+from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.report.environment import machine  # noqa: E402
 
@@ -42,23 +47,45 @@ WAYS = {
 }
 
 
+LEARNING_TESTS = {
+    # test -> (its bar, the test images it scores on): the tests outside the matrix that assert a run
+    # learned in bf16; each reads its seed from $SPEEDRUN_TEST_SEED and records its score
+    "tests/test_loop.py::test_bf16_autocast_trains_on_cpu": (0.4, 2000),
+    "tests/test_loop.py::test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32": (0.4, 2000),
+    "tests/test_weight_grad.py::test_a_speed_net_learns_as_well_with_the_products": (0.4, 2000),
+}
+
+
 def bar(classes: int, images: int) -> float:
     """Chance plus three standard errors of an accuracy on ``images`` test images: the matrix's bar."""
     chance = 1 / classes
     return chance + 3 * math.sqrt(chance * (1 - chance) / images)
 
 
-def run_one(entry, data: Path, seed: int, way: str, work: Path) -> dict:
-    """One `speedrun train` process of ``entry`` with ``seed``, computing bf16 ``way``."""
-    out = work / way / f"{entry.id}-seed{seed}" / "run"
+def names(entries) -> list[str]:
+    """Each entry's id, with #2, #3 ... after the second and later of entries that share one (as
+    pytest numbers them)."""
+    seen: dict[str, int] = {}
+    out = []
+    for e in entries:
+        seen[e.id] = seen.get(e.id, 0) + 1
+        out.append(e.id if seen[e.id] == 1 else f"{e.id}#{seen[e.id]}")
+    return out
+
+
+def run_one(entry, name: str, data: Path, seed: int, way: str, work: Path, extra: list[str]) -> dict:
+    """One `speedrun train` process of ``entry`` (called ``name``) with ``seed``, computing bf16
+    ``way`` (``extra``: overrides after the entry's own, to try a change to it)."""
+    out = work / f"runs-{os.getpid()}" / way / f"{name}-seed{seed}".replace("#", "-") / "run"   # (this sweep's own)
     out.parent.mkdir(parents=True, exist_ok=True)
     argv, env = command(entry, data, out, seed=seed)
+    argv += sum((["--set", s] for s in extra), [])
     env = {**os.environ, **env, **WAYS[way], "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
            "SPEEDRUN_CACHE": str(work / way / "cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(work / way / "inductor")}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "speedrun", *argv], capture_output=True, text=True, env=env)
-    row = {"entry": entry.id, "seed": seed, "way": way, "seconds": round(time.perf_counter() - t0, 1),
+    row = {"entry": name, "seed": seed, "way": way, "seconds": round(time.perf_counter() - t0, 1),
            "returncode": proc.returncode}
     if proc.returncode != 0:
         return {**row, "stderr": proc.stderr[-2000:]}
@@ -70,6 +97,27 @@ def run_one(entry, data: Path, seed: int, way: str, work: Path) -> dict:
             "test_images": summary["test_images"], "classes": classes, "bar": round(b, 4),
             "margin_images": round((low - b) * summary["test_images"], 1),
             "train_seconds": summary["train_seconds"]}
+
+
+def run_test(node: str, seed: int, way: str, work: Path) -> dict:
+    """One of LEARNING_TESTS under pytest in its own process, with ``seed``, computing bf16 ``way``:
+    the score it recorded (pytest's junit XML) against its bar."""
+    report = work / way / f"{node.split('::')[-1]}-seed{seed}.xml"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **WAYS[way], "OMP_NUM_THREADS": "1", "SPEEDRUN_TEST_SEED": str(seed),
+           "SPEEDRUN_CACHE": str(work / way / "cache")}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", node,
+                           f"--junitxml={report}"], capture_output=True, text=True, env=env, cwd=TESTS.parent)
+    row = {"entry": node, "seed": seed, "way": way, "seconds": round(time.perf_counter() - t0, 1),
+           "returncode": proc.returncode}
+    scores = [float(p.get("value")) for p in ET.parse(report).iter("property") if p.get("name") == "score"] \
+        if report.exists() else []
+    if not scores:
+        return {**row, "stderr": (proc.stdout + proc.stderr)[-2000:]}
+    b, images = LEARNING_TESTS[node]
+    return {**row, "test_acc": scores[0], "test_acc_no_tta": scores[0], "test_images": images, "bar": b,
+            "margin_images": round((scores[0] - b) * images, 1)}
 
 
 def lowest(runs: list[dict]) -> dict:
@@ -92,38 +140,57 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--entries", help="comma-separated entry ids (tests/matrix.py Entry.id); default: the bf16 ones")
     p.add_argument("--precision", choices=["bf16", "all"], default="bf16")
+    p.add_argument("--tests", action="store_true", help="the tests outside the matrix that assert learning in bf16 "
+                                                          "(LEARNING_TESTS), instead of the matrix's entries")
     p.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--ways", default="native,emulated", help=f"comma-separated, of {', '.join(WAYS)}")
     p.add_argument("--jobs", type=int, default=2, help="training processes at a time (one thread each)")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override after each entry's own (to try a change to an entry before making it)")
     p.add_argument("--work", type=Path, help="where the data and the runs go (default: a temporary folder)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     ways = args.ways.split(",")
-    entries = [e for e in MATRIX + FIELDS if not e.args and e.data != "jpeg32_train"]
+    everything = [(n, e) for n, e in zip(names(MATRIX + FIELDS), MATRIX + FIELDS)
+                  if not e.args and e.data != "jpeg32_train"]          # (not the teacher's, nor a data.path one)
     if args.entries:
         wanted = args.entries.split(",")
-        unknown = sorted(set(wanted) - {e.id for e in entries})
+        unknown = sorted(set(wanted) - {n for n, _ in everything})
         if unknown:
             p.error(f"--entries: no such entry {', '.join(unknown)}")
-        entries = [e for e in entries if e.id in wanted]
-    elif args.precision == "bf16":
-        entries = [e for e in entries if e.precision == "bf16"]
+        chosen = [(n, e) for n, e in everything if n in wanted]
+    else:
+        chosen = [(n, e) for n, e in everything if args.precision == "all" or e.precision == "bf16"]
+    if args.tests:
+        chosen = [(node, None) for node in LEARNING_TESTS]
+    entries = [e for _, e in chosen if e is not None]
     if set(ways) - set(WAYS):
         p.error(f"--ways: give some of {', '.join(WAYS)}")
-    check_output_file(args.out, "--out")
+    try:
+        check_output_file(args.out, "--out")
+    except SpeedrunError as err:
+        p.error(str(err))
     work = args.work or Path(tempfile.mkdtemp(prefix="speedrun-margins-"))
     work.mkdir(parents=True, exist_ok=True)
     data_dir = small_data.shared_data()
     data = {e.data: small_data.BUILDERS[e.data](work, data_dir) for e in entries}
-    record = {"what": "accuracy of the recipe matrix's entries over seeds, bf16 native and emulated, against "
-                      "the matrix's bar (chance + 3 SE); one thread per process", **machine(),
-              "ways": {w: WAYS[w] for w in ways}, "entries": [e.id for e in entries],
+    record = {"what": ("accuracy of the tests that assert learning in bf16, each under pytest, against its bar"
+                       if args.tests else "accuracy of the recipe matrix's entries against the matrix's bar (chance "
+                       "+ 3 SE)") + " over seeds, bf16 native and emulated; one thread per process", "environment": machine(),
+              "ways": {w: WAYS[w] for w in ways}, "entries": [n for n, _ in chosen], "extra_sets": args.extra,
               "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "runs": []}
-    jobs = [(e, s, w) for w in ways for s in record["seeds"] for e in entries]
+    jobs = [(n, e, s, w) for w in ways for s in record["seeds"] for n, e in chosen]
     failed = False
+
+    def job(j):
+        name, entry, seed, way = j
+        if entry is None:
+            return run_test(name, seed, way, work)
+        return run_one(entry, name, data[entry.data], seed, way, work, args.extra)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        for row in pool.map(lambda j: run_one(j[0], data[j[0].data], j[1], j[2], work), jobs):
+        for row in pool.map(job, jobs):
             record["runs"].append(row)
             record["lowest"] = lowest(record["runs"])
             atomic_write_json(args.out, record)

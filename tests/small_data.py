@@ -24,6 +24,12 @@ def shared_data() -> Path:
     return path
 
 
+def learning_seed() -> int:
+    """The seed of the tests outside the recipe matrix that assert a run learned in bf16: 0, or
+    $SPEEDRUN_TEST_SEED where benchmarks/margins.py --tests runs them under other seeds."""
+    return int(os.environ.get("SPEEDRUN_TEST_SEED", "0"))
+
+
 def build_once(root: Path, name: str, build) -> Path:
     """``root/name``, made by ``build(path)`` by whichever worker gets there first."""
     path = root / name
@@ -77,6 +83,12 @@ def jpeg32(root: Path, data_dir: Path) -> Path:
     """CIFAR-10 as JPEG files at 32 px in the ImageNet layout: 512 train, 512 val images."""
     return build_once(root, "jpeg32", lambda tmp: speedrun("data", "export", "cifar10", "--format", "jpeg",
                                                            "--out", tmp, "--data-dir", data_dir, "--limit", 512))
+
+
+def fashion_jpeg(root: Path, data_dir: Path) -> Path:
+    """Fashion-MNIST as JPEG files (28 px, grey) in the ImageNet layout: 512 train, 512 val images."""
+    return build_once(root, "fashion_jpeg", lambda tmp: speedrun("data", "export", "fashion-mnist", "--format", "jpeg",
+                                                                 "--out", tmp, "--data-dir", data_dir, "--limit", 512))
 
 
 def tiny64(root: Path, data_dir: Path) -> Path:
@@ -134,6 +146,6 @@ def tiny_npz32(root: Path, data_dir: Path) -> Path:
     return build_once(root, "tiny_npz32", build) / "t32.npz"
 
 
-BUILDERS = {f.__name__: f for f in (cifar_small, fashion_small, jpeg32, tiny64, imagenet224, imagenette_tiny,
+BUILDERS = {f.__name__: f for f in (cifar_small, fashion_small, jpeg32, fashion_jpeg, tiny64, imagenet224, imagenette_tiny,
                                     npz32, tiny_npz32)}
 """Fixture name -> builder(root, data_dir)."""

@@ -12,6 +12,8 @@ from speedrun.models import weight_grad as wg
 from speedrun.models.speednet import Conv
 from speedrun.recipe import RuntimeConfig, load_recipe
 
+from small_data import learning_seed
+
 CPU = torch.device("cpu")
 
 
@@ -98,7 +100,7 @@ def test_auto_times_each_shape_once_and_the_gradients_agree(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch):
+def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch, record_property):
     small = dataclasses.replace(fashion, train_x=fashion.train_x[:4096], train_y=fashion.train_y[:4096],
                                 test_x=fashion.test_x[:2000], test_y=fashion.test_y[:2000])
     recipe = load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=256", "train.epochs=2",
@@ -109,8 +111,10 @@ def test_a_speed_net_learns_as_well_with_the_products(fashion, monkeypatch):
     for mode in ("torch", "gemm"):
         rt = dataclasses.replace(resolve_runtime(RuntimeConfig(precision="bf16", compile="off"), CPU),
                                  conv_weight_grad=mode).activate()
-        accuracy[mode] = Session(recipe, small, rt).run(seed=0).test_acc
-    # chance is 0.1; on a 2-core Zen 3 both reached 0.47 (47.0% and 46.9% of the 2,000 test images, no TTA)
+        accuracy[mode] = Session(recipe, small, rt).run(seed=learning_seed()).test_acc
+    record_property("score", accuracy["gemm"])                 # (for benchmarks/margins.py --tests)
+    # chance is 0.1; on a 2-core Zen 3 both reached 0.47 (47.0% and 46.9% of the 2,000 test images, no TTA);
+    # over seeds 0-7 on a 2-core Zen 4 the gemm way's lowest was 0.413 native, 0.417 emulated (margins-bf16-tests-*.json)
     assert accuracy["gemm"] > 0.4 and abs(accuracy["gemm"] - accuracy["torch"]) < 0.03, accuracy
     steps = 2 * (4096 // 256)
     assert len(calls) == steps * 6, len(calls)                  # every 3x3 layer of every step (6 of them)

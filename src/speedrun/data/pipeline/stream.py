@@ -299,6 +299,11 @@ class StreamedData:
 
     def _to_device(self, x_u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x_u8.to(self.device, non_blocking=True).float()
+        if x.shape[1] == 1:
+            # one channel: the batch's channels-last strides and a fresh tensor's both count as
+            # contiguous in either layout, so no later .contiguous() unifies them, and compiled
+            # code specialised on the warm-up's would compile again for these
+            x = x.clone(memory_format=torch.contiguous_format)
         return ((x - self.mean[:, None, None]) / self.std[:, None, None]).to(dtype or self.dtype)
 
     def epoch(self, epoch: int, batch_size: int, augment, generator, size: int | None = None,
