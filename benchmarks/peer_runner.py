@@ -1,7 +1,8 @@
 """Run a peer's own airbench-style script, unmodified, in this process (gpu_record.py starts one per
 peer, in a folder holding cifar10/train.pt and test.pt): its ``__main__`` block's set-up, then
 ``main("warmup", ...)`` and N timed ``main(run, ...)`` calls, each run's own timer and ``tta_val_acc``
-read from its final ``print_training_details`` entry. How: benchmarks/README.md.
+read from its final ``print_training_details`` entry, and inductor's cache counters after the warm-up
+and after the runs (did the warm-up find the code an earlier process compiled?). How: benchmarks/README.md.
 
     python benchmarks/peer_runner.py SCRIPT.py --runs N --result RESULT.json
 """
@@ -79,6 +80,14 @@ def check_script(path: Path) -> dict:
 
 # ---- running it ---------------------------------------------------------------------------
 
+def cache_counters() -> dict[str, int]:
+    """inductor's and AOTAutograd's persistent-cache counters in this process so far (torch's own
+    ``counters``: ``inductor.fxgraph_cache_hit`` / ``_miss`` and the like)."""
+    from torch._dynamo.utils import counters
+    return {f"{group}.{name}": int(n) for group in ("inductor", "aot_autograd")
+            for name, n in sorted(counters[group].items()) if "cache" in name}
+
+
 def run_peer(script: Path, runs: int, result_path: Path) -> None:
     import torch
     from torch._dynamo.utils import counters           # (graphs compiled so far: a run's recompiles)
@@ -118,8 +127,13 @@ def run_peer(script: Path, runs: int, result_path: Path) -> None:
     kwargs = {k: eval(v, module.__dict__) for k, v in plan["keywords"].items()}
     module.main("warmup", *args, **kwargs)
     sync()
-    result.update(warmup_seconds=time.perf_counter() - t0, runs=[])
-    print(f"PEER {script.name}: warm-up {result['warmup_seconds']:.1f} s", flush=True)
+    warm = cache_counters()
+    result.update(warmup_seconds=time.perf_counter() - t0, runs=[], inductor_cache={
+        "dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "hits": warm.get("inductor.fxgraph_cache_hit", 0),
+        "misses": warm.get("inductor.fxgraph_cache_miss", 0), "after_warmup": warm})
+    print(f"PEER {script.name}: warm-up {result['warmup_seconds']:.1f} s; inductor's cache: "
+          f"{result['inductor_cache']['hits']} graphs found compiled, {result['inductor_cache']['misses']} compiled",
+          flush=True)
     atomic_write_json(result_path, result)
     for run in range(runs):
         finals.clear()
@@ -132,6 +146,7 @@ def run_peer(script: Path, runs: int, result_path: Path) -> None:
             raise PeerError(f"{script.name}: run {run} logged {len(finals)} final entries (expected 1)")
         result["runs"].append({"run": run, **finals[0], "wall_seconds": wall,
                                "recompiles": counters["stats"]["unique_graphs"] - graphs})
+        result["inductor_cache"]["after_runs"] = cache_counters()
         atomic_write_json(result_path, result)
 
 

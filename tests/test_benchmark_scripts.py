@@ -82,121 +82,11 @@ def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_e
 
 
 # ------------------------------------------------------------------------------------------
-# gpu_record.py: speedrun against peers' own scripts, and variants on random data
+# gpu_record.py: variants on random data, its refusals, how peer_runner reads a script (speedrun
+# against a peer's own script, the budget and the two calls of a lent GPU: tests/test_gpu_lending.py)
 # ------------------------------------------------------------------------------------------
 
 TINY_SPEEDNET = ["--set", "model.widths=[8,16,16]", "--set", "model.whiten.samples=64", "--set", "eval.batch_size=128"]
-
-STANDIN_PEER = '''"""A stand-in for an airbench script, on the CPU: airbench's contract (cifar10/train.pt and
-test.pt read from the working folder, print_columns, logging_columns_list, print_training_details
-with its own timer, main(run, model), a __main__ block that builds the model, warms up, runs),
-training a linear model on a slice for a few steps."""
-import sys
-import time
-
-import torch
-import torch.nn.functional as F
-
-with open(sys.argv[0]) as f:
-    code = f.read()
-
-
-def print_columns(columns_list, is_head=False, is_final_entry=False):
-    print("|" + "|".join("  %s  " % c for c in columns_list) + "|")
-
-
-logging_columns_list = ["run   ", "epoch", "train_acc", "val_acc", "tta_val_acc", "time_seconds"]
-
-
-def print_training_details(variables, is_final_entry):
-    print_columns([str(variables.get(c.strip(), "")) for c in logging_columns_list], is_final_entry=is_final_entry)
-
-
-def load(split, n):
-    data = torch.load("cifar10/%s.pt" % split, weights_only=True, mmap=True)
-    x = (data["images"][:n].float() / 255 - 0.5).permute(0, 3, 1, 2)
-    return x, data["labels"][:n]
-
-
-def main(run, model):
-    x, y = load("train", 1000)
-    xt, yt = load("test", 500)
-    if run == "warmup":
-        y = torch.randint(0, 10, size=y.shape)
-    torch.manual_seed(0 if run == "warmup" else run)
-    model.reset_parameters()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    time_seconds = 0.0
-    for epoch in range(2):
-        t = time.perf_counter()
-        for i in range(0, len(x), 200):
-            outputs = model(x[i:i + 200].flatten(1))
-            F.cross_entropy(outputs, y[i:i + 200]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        time_seconds += time.perf_counter() - t
-        with torch.no_grad():
-            val_acc = (model(xt.flatten(1)).argmax(1) == yt).float().mean().item()
-        print_training_details(locals(), is_final_entry=False)
-        run = None
-    t = time.perf_counter()
-    with torch.no_grad():
-        logits = model(xt.flatten(1)) + model(xt.flip(-1).flatten(1))
-    tta_val_acc = (logits.argmax(1) == yt).float().mean().item()
-    time_seconds += time.perf_counter() - t
-    epoch = "eval"
-    print_training_details(locals(), is_final_entry=True)
-    return tta_val_acc
-
-
-if __name__ == "__main__":
-    model = torch.nn.Linear(3 * 32 * 32, 10)
-    print_columns(logging_columns_list, is_head=True)
-    main("warmup", model)
-    accs = torch.tensor([main(run, model) for run in range(200)])
-    print("Mean: %.4f" % accs.mean())
-'''
-
-
-def test_gpu_record_runs_speedrun_and_a_peers_own_script_each_in_its_own_process(tmp_path, data_dir, cifar_small,
-                                                                                 cifar10):
-    import torch
-    peer = tmp_path / "standin_airbench.py"
-    peer.write_text(STANDIN_PEER)
-    out, work = tmp_path / "record.json", tmp_path / "work"
-    script("gpu_record.py", "--runs", 2, "--data-dir", data_dir, "--out", out, "--work", work, "--device", "cpu",
-           "--system", "speedrun:cifar10-94-fast", "--system", f"peer:{peer}",
-           "--pair", "cifar10-94-fast:standin_airbench.py", "--set", "data.dataset=npz",
-           "--set", f"data.path='{cifar_small}'", "--set", "data.batch_size=256", "--set", "train.epochs=1",
-           *TINY_SPEEDNET)
-    record = json.loads(out.read_text())
-    check_environment(record)
-    assert record["mode"] == "real" and record["commit"] == record["environment"]["git_commit"]
-    speedrun, standin = record["systems"]
-    assert (speedrun["system"], standin["system"]) == ("cifar10-94-fast", "standin_airbench.py")
-    for entry in (speedrun, standin):
-        assert entry["ok"] and len(entry["runs"]) == 2 and entry["summary"]["runs"] == 2
-        assert all(r["seconds"] > 0 and 0 <= r["test_acc"] <= 1 for r in entry["runs"])
-        assert entry["process_wall_seconds"] > entry["warmup_seconds"] > 0
-    assert [r["seed"] for r in speedrun["runs"]] == [0, 1] and all(r["steps"] == 4 for r in speedrun["runs"])
-    assert speedrun["recipe_config"]["model"]["widths"] == [8, 16, 16]
-    # the peer ran as its __main__ does: its model built there, warmed up by its own call, its own timer read
-    assert standin["main_block"]["args"] == ["model"] and standin["main_block"]["warmup_in_script"]
-    assert all(r["timer"] == "time_seconds" and r["wall_seconds"] > r["seconds"] for r in standin["runs"])
-    (pair,) = record["pairs"]
-    assert (pair["a"], pair["b"]) == ("cifar10-94-fast", "standin_airbench.py")
-    assert pair["time_ratio"] == pytest.approx(speedrun["summary"]["seconds"]["mean"]
-                                               / standin["summary"]["seconds"]["mean"])
-    assert pair["test_acc_a"] == pytest.approx(speedrun["summary"]["test_acc"]["mean"])
-    # the data the runner wrote is what airbench94_muon.py's CifarLoader reads: torch.load (weights only) of a
-    # dict with uint8 NHWC images, int64 labels and the class names, the official images in the official order
-    for split, x, y in (("train", cifar10.train_x, cifar10.train_y), ("test", cifar10.test_x, cifar10.test_y)):
-        data = torch.load(work / "airbench" / "cifar10" / f"{split}.pt", weights_only=True)
-        assert set(data) == {"images", "labels", "classes"} and data["classes"] == cifar10.classes
-        assert data["images"].dtype == torch.uint8 and data["images"].shape == (len(x), 32, 32, 3)
-        assert data["labels"].dtype == torch.int64 and data["labels"].shape == (len(x),)
-        assert (data["images"].half() / 255).permute(0, 3, 1, 2).shape == (len(x), 3, 32, 32)   # its first step
-        assert torch.equal(data["images"].permute(0, 3, 1, 2), x) and torch.equal(data["labels"], y)
 
 
 def test_gpu_record_synthetic_times_and_profiles_each_variant_in_its_own_process(tmp_path):
@@ -276,139 +166,6 @@ def test_peer_runner_reads_how_a_scripts_main_block_warms_up_and_runs(monkeypatc
                          (defs + "if __name__ == '__main__':\n    main('warmup', 1)\n", "no per-run call")):
         with pytest.raises(PeerError, match=re.escape(says)):
             plan_script(source, "peer.py")
-
-
-# ---- gpu_record.py's time limits and the two calls of a lent GPU (benchmarks/lending/) ----
-
-LENDING = ROOT / "benchmarks" / "lending"
-
-MUON_SETUP = '''    model = torch.nn.Linear(3 * 32 * 32, 10)
-    if torch.cuda.is_available():
-        model.compile(mode="max-autotune")
-'''
-"""The stand-in's set-up as airbench94_muon.py's: compiled with max-autotune where there is a GPU."""
-
-SLOW_SETUP = MUON_SETUP + '''    import subprocess
-    helper = subprocess.Popen(["sleep", "300"])
-    open(PIDFILE, "w").write(str(helper.pid))
-    slow = main
-    def main(run, model):
-        time.sleep(0.3)
-        return slow(run, model)
-'''
-"""...and a helper process in its group (a compile worker's stand-in), and runs slowed down."""
-
-
-def standin(folder: Path, name: str, setup: str | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    text = STANDIN_PEER
-    if setup:
-        text = text.replace("    model = torch.nn.Linear(3 * 32 * 32, 10)\n", setup)
-        assert text != STANDIN_PEER
-    path = folder / name
-    path.write_text(text)
-    return path
-
-
-def record_call(args: list, cwd: Path, out: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """gpu_record.py as a lent GPU runs it: from ``cwd``, with $OUT set and no --out."""
-    import os
-    env = {**os.environ, "OUT": str(out)}
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_record.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
-
-
-def test_lending_call_1_smokes_the_record_recipe_for_one_run_on_random_data(tmp_path):
-    out = tmp_path / "out"
-    proc = record_call([f"@{LENDING / 'call1-smoke.args'}", "--device", "cpu", "--n-train", 256, "--n-test", 128,
-                        "--set", "data.batch_size=64", "--set", "train.epochs=1", *TINY_SPEEDNET,
-                        "--commit", "abc1234"], tmp_path, out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [p.name for p in out.iterdir()] == ["gpu-record-synthetic.json"]
-    record = json.loads((out / "gpu-record-synthetic.json").read_text())
-    assert record["commit"] == "abc1234" and record["budget_seconds"] == 150 and record["limits"] == {"record": 120}
-    (v,) = record["variants"]
-    assert v["ok"] and v["limit_seconds"] == 120 and v["limit_from"] == "its limit" and "cut" not in v
-    config = v["recipe_config"]
-    assert (config["model"]["global_pool_grad"], config["runtime"]["cast"], config["augment"]["whole_epoch"],
-            config["runtime"]["cuda_graphs"]) == ("select", "model", True, "on")
-    (run,) = v["runs"]
-    assert run["seconds"] > 0 and run["recompiles"] == 0 and v["summary"]["recompiles"] == 0
-    assert v["summary"]["seconds"]["median"] == run["seconds"] and v["summary"]["test_acc"]["median"] == run["test_acc"]
-
-
-@pytest.mark.slow
-def test_lending_call_2_runs_the_peer_first_then_every_system_and_pair_of_its_file(tmp_path, data_dir, cifar_small):
-    peers = tmp_path / ".device-data" / "peers"          # where the call finds airbench's scripts
-    standin(peers, "airbench94_muon.py", MUON_SETUP)
-    standin(peers, "airbench94.py")
-    # the call's own file, its limits and budget widened for a shared 2-core CPU
-    text = (LENDING / "call2-cifar10-record.args").read_text()
-    assert "--budget 560\n" in text
-    wide = re.sub(r"#(\d+)$", lambda m: f"#{int(m.group(1)) * 5}", text.replace("--budget 560", "--budget 5000"),
-                  flags=re.MULTILINE)
-    args_file = tmp_path / "call2.args"
-    args_file.write_text(wide)
-    out = tmp_path / "out"
-    proc = record_call([f"@{args_file}", "--runs", 1, "--device", "cpu", "--data-dir", data_dir,
-                        "--set", "data.dataset=npz", "--set", f"data.path='{cifar_small}'",
-                        "--set", "data.batch_size=256", "--set", "train.epochs=1", *TINY_SPEEDNET,
-                        "--commit", "abc1234"], tmp_path, out, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads((out / "gpu-record.json").read_text())
-    systems = record["systems"]
-    given = [line.split(None, 1)[1].rsplit("#", 1)[0] for line in text.splitlines() if line.startswith("--system ")]
-    assert len(systems) == len(given) == 10 and not record["left_out"]
-    assert record["order"][0] == "airbench94_muon.py" and systems[0]["main_block"]["setup_source"][1].startswith(
-        "if torch.cuda.is_available()")
-    assert [e["spec"] for e in systems] == given
-    for e in systems:
-        assert e["ok"] and len(e["runs"]) == 1 and e["limit_from"] == "its limit" and e["warmup_seconds"] > 0
-        assert e["summary"]["seconds"]["median"] == e["runs"][0]["seconds"] > 0
-        assert e["runs"][0]["recompiles"] == 0 and e["summary"]["recompiles"] == 0
-    assert len(record["pairs"]) == len(record["pairs_asked"]) == 9
-    by_pair = {(p["a"], p["b"]): p for p in record["pairs"]}
-    record_recipe = "cifar10-94-gpu"
-    assert (record_recipe, "airbench94_muon.py") in by_pair and ("cifar10-94", "airbench94.py") in by_pair
-    paired = by_pair[(record_recipe, "cifar10-94-fast")]
-    assert paired["paired"]["seeds"] == [0] and paired["time_ratio_median"] == pytest.approx(paired["time_ratio"])
-
-
-@pytest.mark.slow
-def test_gpu_record_stops_a_system_at_its_limit_keeping_its_runs_and_starts_none_that_would_overrun(
-        tmp_path, data_dir):
-    import time
-    pidfile = tmp_path / "helper.pid"
-    peer = standin(tmp_path / "peers", "airbench94_muon.py", SLOW_SETUP.replace("PIDFILE", repr(str(pidfile))))
-    out = tmp_path / "out"
-    # given second, the peer that autotunes runs first; stopped at 25 s of its 1000 runs, it leaves too little
-    # of the 55 s budget for the next system's 35 s limit
-    t0 = time.perf_counter()
-    proc = record_call(["--runs", 1000, "--budget", 55, "--data-dir", data_dir, "--device", "cpu",
-                        "--system", "speedrun:cifar10-94-fast#35", "--system", f"peer:{peer}#25"], tmp_path, out)
-    took = time.perf_counter() - t0
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads((out / "gpu-record.json").read_text())
-    assert record["order_given"] == ["cifar10-94-fast", "airbench94_muon.py"]
-    assert record["order"] == ["airbench94_muon.py", "cifar10-94-fast"]
-    (entry,) = record["systems"]
-    cut = entry["cut"]
-    assert cut["by"] == "its limit" and cut["at_seconds"] == 25 and cut["runs_asked"] == 1000
-    assert 1 <= cut["runs_finished"] < 1000 and len(entry["runs"]) == entry["summary"]["runs"] == cut["runs_finished"]
-    assert not entry["ok"] and "stopped by its limit" in entry["error"] and entry["warmup_seconds"] > 0
-    assert 25 <= entry["process_wall_seconds"] < 25 + 10 and took < 55
-    assert all(r["seconds"] > 0 and 0 <= r["test_acc"] <= 1 for r in entry["runs"])
-    (left,) = record["left_out"]
-    assert left["name"] == "cifar10-94-fast" and "limit of 35 s is more than" in left["reason"]
-    # the whole process group went: the helper the peer started is gone too
-    helper = Path(f"/proc/{int(pidfile.read_text())}/stat")
-    for _ in range(50):                                 # (gone, or a zombie its new parent has not reaped)
-        if not helper.exists() or helper.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"{helper}: the peer's helper process outlived its group's stop")
 
 
 # ------------------------------------------------------------------------------------------
@@ -729,3 +486,25 @@ def test_a_record_names_the_commit_given_else_the_environments_else_gits(monkeyp
         assert read_commit() == (head_commit(), "git rev-parse HEAD")
         env = machine()
         assert env["git_commit"] == head_commit() and isinstance(env["git_dirty"], bool)
+
+
+def test_margins_runs_matrix_entries_over_seeds_both_ways_and_keeps_the_lowest(tmp_path):
+    """benchmarks/margins.py on one entry of the recipe matrix, one seed, bf16 as this CPU computes
+    it and emulated: the entry's own data built, both runs recorded with their bar and margin (in
+    test images), and per way the lowest; an entry that is not in the matrix is refused."""
+    entry = "fashion-mnist-fashion_small-fp32-eager"
+    out = tmp_path / "margins.json"
+    script("margins.py", "--entries", entry, "--seeds", "1", "--ways", "native,emulated", "--jobs", "2",
+           "--work", tmp_path / "work", "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    runs = record["runs"]
+    assert [(r["entry"], r["seed"], r["way"]) for r in runs] == [(entry, 0, "native"), (entry, 0, "emulated")]
+    for r in runs:
+        assert r["bar"] == pytest.approx(0.1 + 3 * (0.09 / 256) ** 0.5, abs=1e-4) and r["test_images"] == 256
+        assert r["margin_images"] == pytest.approx((min(r["test_acc"], r["test_acc_no_tta"]) - r["bar"]) * 256, abs=0.2)
+        assert r["margin_images"] > 0                                     # it learned
+    assert record["lowest"][f"{entry} / emulated"]["lowest_seed"] == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "margins.py"), "--entries", "no-such-entry",
+                           "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "no-such-entry" in proc.stderr and not (tmp_path / "bad.json").exists()

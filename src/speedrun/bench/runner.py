@@ -66,6 +66,7 @@ def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | Non
         "recipe_config": recipe.to_dict(),
         "regions": REGION_NOTES,
         "compile_seconds": session.compile_seconds,
+        "compile_cache": session.compile_cache,       # inductor's persistent cache: hits and misses of the warm-up
         "first_load_seconds": load_seconds,
         "runs": [],
         "summary": None,
