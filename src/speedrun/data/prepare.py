@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.pool
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import zipfile
@@ -48,16 +49,12 @@ def progress_bar() -> Progress:
 @contextmanager
 def worker_pool(workers: int, initializer=None, initargs=()) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of ``workers`` processes that are never forked from this one (see
-    :func:`.stream.worker_context`), for a ``with`` block. Like every process of the fork server
-    its workers ignore the stop signals (the run's main process decides what a stop does), so
-    SIGTERM, which ``Pool.terminate`` sends, would not end them: the block closes the pool and
-    waits for its workers to finish, or on an error or an interruption kills them (SIGKILL)."""
+    :func:`.stream.worker_context`), for a ``with`` block: closed and waited for when the block
+    ends, ended (``Pool.terminate``) when it fails or is interrupted."""
     pool = worker_context().Pool(workers, initializer=_pool_worker, initargs=(os.getpid(), initializer, initargs))
     try:
         yield pool
     except BaseException:
-        for process in pool._pool:              # (the pool's worker processes)
-            process.kill()
         pool.terminate()
         pool.join()
         raise
@@ -66,7 +63,12 @@ def worker_pool(workers: int, initializer=None, initargs=()) -> Iterator[multipr
 
 
 def _pool_worker(owner: int, initializer, initargs) -> None:
+    """A pool worker's start: as a data loader's (:func:`~speedrun.stop_signals.worker_of`), except
+    that SIGTERM ends it, since ``Pool.terminate`` ends workers that way (one still waiting for
+    work could not be ended otherwise)."""
     worker_of(owner)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if initializer is not None:
         initializer(*initargs)
 
