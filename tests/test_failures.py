@@ -9,6 +9,7 @@ sha256 of every file) equal before and after. Further cases of the same class ca
 start-up. Read-only and full disks are real tmpfs mounts (the tests run as root, where
 chmod stops nothing); the data are the real CIFAR-10 and Fashion-MNIST files.
 """
+import errno
 import gzip
 import hashlib
 import json
@@ -30,7 +31,7 @@ from PIL import Image
 from speedrun.data.sources.skipped import listed, skipped_line
 from speedrun.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from speedrun.errors import RunFolderError
-from speedrun.files import atomic_torch_save
+from speedrun.files import atomic_torch_save, atomic_write_json, make_folder
 from speedrun.recipe import shipped_recipes
 
 from test_cli import speedrun
@@ -121,10 +122,28 @@ def fill(point: Path, leave: int = 512 * 1024) -> None:
     assert shutil.disk_usage(point).free < 1 << 20
 
 
+def fill_up(point: Path) -> None:
+    """Fill the disk at ``point`` to its last byte: a file written until the disk refuses more."""
+    fd = os.open(point / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError as err:
+        assert err.errno == errno.ENOSPC, err
+    finally:
+        os.close(fd)
+    assert shutil.disk_usage(point).free == 0
+
+
 def small_args(data, dataset: str = "npz", batch: int = 256) -> list:
     """cifar10-94 shrunk to a few seconds on the CPU, on an .npz file or an image folder."""
     return ["cifar10-94", "--set", f"data.dataset={dataset}", "--data-dir", data, "--set", "model.widths=[8,16,16]",
             "--set", f"data.batch_size={batch}", "--set", "train.epochs=0.5", "--set", "eval.tta=none"]
+
+
+def tiny_fashion(data) -> list:
+    """fashion-mnist on the Fashion-MNIST slice, shrunk as :func:`small_args` (a second or two)."""
+    return ["fashion-mnist", *small_args(data)[1:]]
 
 
 def small_folder(src: Path, dest: Path, classes=("cat", "dog"), n_train: int = 40, n_val: int = 10) -> Path:
@@ -286,6 +305,78 @@ def test_a_full_disk_is_refused_before_work_and_named_when_a_write_fails(tmp_pat
         atomic_torch_save(nearly / "model.pt", weights)
     assert str(nearly / "model.pt") in str(err.value)
     assert sorted(p.name for p in nearly.iterdir()) == ["filler"]
+
+
+def test_a_run_folder_on_a_full_disk_is_refused_in_one_line_and_the_disk_left_as_it_was(tmpfs, fashion_small):
+    full = tmpfs("full", "1m")
+    (full / "existing").mkdir()                     # the user's empty folder, made before the disk filled
+    fill_up(full)                                   # (folders and empty files can still be made on it)
+    before = snapshot(full)
+    for out in (full / "run", full / "existing", full / "existing" / "a" / "b"):
+        proc = speedrun("train", *tiny_fashion(fashion_small), "--out", out, check=False)
+        check_refused(proc, 2, f"--out {out}", "the disk is full")
+        assert_unchanged(full, before)              # no lock file, no folder, no temporary file
+
+
+def test_a_run_folder_on_a_read_only_disk_is_refused_in_one_line_and_the_disk_left_as_it_was(tmpfs,
+                                                                                              fashion_small):
+    ro = tmpfs("ro", "1m")
+    (ro / "existing").mkdir()
+    (ro / "killed").mkdir()                         # a run's folder whose run was killed, its lock file left
+    (ro / "killed" / ".speedrun.lock").write_text("4194304\n")
+    read_only(ro)
+    before = snapshot(ro)
+    for out in (ro / "run", ro / "existing", ro / "existing" / "a" / "b", ro / "killed"):
+        proc = speedrun("train", *tiny_fashion(fashion_small), "--out", out, check=False)
+        check_refused(proc, 2, f"--out {out}", "the file system is read-only")
+    assert_unchanged(ro, before)
+
+
+def test_a_full_cache_disk_never_ends_a_run_in_a_traceback_and_is_left_as_it_was(tmp_path, tmpfs, fashion_small,
+                                                                                  monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)      # (compiled code goes to $SPEEDRUN_CACHE)
+    cache = tmpfs("cache", "1m")
+    fill_up(cache)
+    before = snapshot(cache)
+    env = {"SPEEDRUN_CACHE": str(cache / "speedrun")}
+    # the FLOP counts kept for the next run are optional: the run finishes, and says they were not kept
+    proc = speedrun("train", *tiny_fashion(fashion_small), "--out", tmp_path / "run", env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and not ERROR_LINE.search(proc.stderr), proc.stderr
+    assert proc.stderr.count("speedrun: note: FLOP counts are not kept") == 1, proc.stderr
+    assert f"{cache / 'speedrun' / 'counts.json'} for the next run: the disk is full" in proc.stderr
+    assert (tmp_path / "run" / "summary.json").is_file()
+    assert_unchanged(cache, before)
+    # the decoded images a run trains from and the code it compiles must be written: refused before any work
+    images = tmp_path / "images"                    # (refused before decoding: any few images do)
+    for i, (split, cls) in enumerate([(s, c) for s in ("train", "val") for c in ("cat", "dog")] * 4):
+        (images / split / cls).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((32, 32, 3), 8 * i, np.uint8)).save(images / split / cls / f"{i}.png")
+    cases = {"decoded-image cache": [*small_args(images, "folder", batch=8), "--set", "data.cache=on"],
+             "compile cache": [*tiny_fashion(fashion_small), "--set", "runtime.compile=on"]}
+    for what, args in cases.items():
+        out = tmp_path / what.replace(" ", "-")
+        proc = speedrun("train", *args, "--out", out, env=env, check=False)
+        check_refused(proc, 2, f"the {what} {cache / 'speedrun'}", "0 bytes free", "$SPEEDRUN_CACHE")
+        assert not out.exists()
+        assert_unchanged(cache, before)
+
+
+def test_a_write_that_fails_for_want_of_space_removes_the_folders_it_made(tmpfs):
+    full = tmpfs("full", "1m")
+    fill_up(full)
+    before = snapshot(full)
+    with pytest.raises(RunFolderError, match="the disk is full") as err:
+        atomic_write_json(full / "a" / "b" / "record.json", {"x": 1})
+    assert str(full / "a" / "b" / "record.json") in str(err.value)
+    assert_unchanged(full, before)
+    # out of inodes after the first two of three folders: those two are removed again
+    few = tmpfs("few", "1m")
+    subprocess.run(["mount", "-o", "remount,nr_inodes=3", str(few)], check=True)
+    with pytest.raises(RunFolderError, match="the disk is full") as err:
+        make_folder(few / "a" / "b" / "c")
+    assert str(few / "a" / "b" / "c") in str(err.value)
+    assert list(few.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -51,9 +51,12 @@ def _why(err: OSError) -> str:
 
 
 def disk_error(path: Path, err: OSError, doing: str = "write") -> RunFolderError:
-    """The error to raise when writing ``path`` failed with ``err``."""
-    return RunFolderError(f"cannot {doing} {path}: {_why(err)}. Choose another output path, or free the "
-                          "space / fix the permissions, then run again")
+    """The error to raise when writing ``path`` failed with ``err``; its ``reason`` holds the
+    file system's words alone (for callers that say what to do themselves)."""
+    error = RunFolderError(f"cannot {doing} {path}: {_why(err)}. Choose another output path, or free the "
+                           "space / fix the permissions, then run again")
+    error.reason = _why(err)
+    return error
 
 
 def check_output_folder(path: str | os.PathLike, option: str = "--out", need_bytes: int = MIN_FREE_BYTES,
@@ -114,11 +117,38 @@ class OutputFolder:
             self.path.rmdir()
 
 
-def make_folder(path: Path) -> None:
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first: what making it will make."""
+    made, p = [], Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+def remove_folders(made: list[Path]) -> None:
+    """Remove the folders ``made`` (deepest first) where they are empty; stops at the first one
+    that is not, so nothing but what was made and left empty goes. (Those a failed
+    :func:`make_folder` did not get to are skipped.)"""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break
+
+
+def make_folder(path: Path) -> list[Path]:
+    """Make ``path`` and its missing parents; returns those it made, deepest first (to remove
+    them again after a failure). A failure removes what it made and names ``path``."""
+    made = missing_folders(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
+        remove_folders(made)
         raise disk_error(path, err, "create the folder") from None
+    return made
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,32 +163,39 @@ def _publish(tmp: str, path: Path) -> None:
 
 def atomic_write_with(path: Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` and rename the result to ``path``; on failure nothing is left
-    and the error names ``path``."""
+    and the error names ``path`` (the folders made for it are removed again too)."""
     path = Path(path)
-    make_folder(path.parent)
+    made = make_folder(path.parent)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
     except OSError as err:
+        remove_folders(made)
         raise disk_error(path, err) from None
     try:
         write(tmp)
         _publish(tmp, path)
     except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
+        _undo(tmp, made)
         raise disk_error(path, err) from None
     except RuntimeError as err:
         # torch.save reports a failed write as a RuntimeError ("unexpected pos ...")
-        Path(tmp).unlink(missing_ok=True)
+        _undo(tmp, made)
         if "unexpected pos" in str(err) or "failed writing" in str(err):
-            free = shutil.disk_usage(path.parent).free
+            free = shutil.disk_usage(_nearest_existing(path.parent)).free
             reason = "the disk is full" if free < MIN_FREE_BYTES else f"the write failed ({err})"
             raise RunFolderError(f"cannot write {path}: {reason} ({human_bytes(free)} free). Free some space "
                                  "or choose another output path, then run again") from None
         raise
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _undo(tmp, made)
         raise
+
+
+def _undo(tmp: str, made: list[Path]) -> None:
+    """After a failed atomic write: remove its temporary file and the folders made for it."""
+    Path(tmp).unlink(missing_ok=True)
+    remove_folders(made)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

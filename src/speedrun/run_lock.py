@@ -7,12 +7,13 @@ This module sits with the plumbing: it imports only ``errors`` and ``files``.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
 
 from .errors import RunFolderError, SpeedrunError
-from .files import make_folder
+from .files import disk_error, make_folder, remove_folders
 
 LOCK_NAME = ".speedrun.lock"
 
@@ -38,24 +39,26 @@ def _alive(pid: str) -> bool:
 
 class RunFolderLock:
     """Held while a run writes into ``folder``; :meth:`release` (on any exit) frees it and
-    removes the lock file and the folders made for it when nothing else was written there."""
+    removes the lock file and the folders made for it when nothing else was written there.
+    A lock that cannot be taken (a full or read-only disk) leaves nothing behind."""
 
     def __init__(self, folder: Path, option: str = "--out"):
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self.made: list[Path] = []                   # the folder and parents made for the lock, deepest first
         self.taken_over = ""                         # the pid of a killed run whose lock file was left
-        p = self.folder
-        while not p.exists() and p != p.parent:
-            self.made.append(p)
-            p = p.parent
-        if not self.made and self.path.exists():
+        self.fd = -1
+        if self.folder.is_dir() and self.path.exists():
             self._refuse_if_held(option)             # nothing is created or changed when refused
         try:
-            make_folder(self.folder)
+            self.made = make_folder(self.folder)
+            self.fd = self._take(option)
         except SpeedrunError as err:                 # (the disk's own words, with the option that named it)
+            remove_folders(self.made)
             raise type(err)(f"{option} {self.folder}: {err}") from None
-        self.fd = self._take(option)
+        except BaseException:
+            remove_folders(self.made)
+            raise
 
     def _refuse_if_held(self, option: str) -> None:
         try:
@@ -74,13 +77,24 @@ class RunFolderLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def _open(self) -> tuple[int, bool]:
+        """The lock file opened for writing, and whether this call created it."""
+        while True:
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                pass
+            try:
+                return os.open(self.path, os.O_RDWR), False
+            except FileNotFoundError:                # (removed by a run releasing it meanwhile)
+                continue
+
     def _take(self, option: str) -> int:
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd, created = self._open()
             except OSError as err:
-                raise RunFolderError(f"cannot create {self.path}: {err.strerror}; choose another {option} "
-                                     "folder") from None
+                raise disk_error(self.path, err, "create the lock file") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -95,10 +109,21 @@ class RunFolderLock:
                 os.close(fd)
                 continue
             old = _holder(fd)
+            try:                                     # the pid first, then the length: a failed write changes nothing
+                pid = f"{os.getpid()}\n".encode()
+                if os.pwrite(fd, pid, 0) != len(pid):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.ftruncate(fd, len(pid))
+            except OSError as err:
+                if created:                          # (removed while still held, as release does)
+                    try:
+                        self.path.unlink()
+                    except OSError:
+                        pass
+                os.close(fd)
+                raise disk_error(self.path, err) from None
             if old and old != str(os.getpid()) and not _alive(old):
                 self.taken_over = old
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
 
     def release(self) -> None:
@@ -112,8 +137,4 @@ class RunFolderLock:
             pass
         os.close(self.fd)                            # (closing drops the flock)
         self.fd = -1
-        for folder in self.made:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_folders(self.made)

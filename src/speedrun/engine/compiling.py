@@ -166,12 +166,23 @@ def compile_cache_location(cache_root: Path | None = None) -> str:
     return _USER_CACHE_DIR or str(compiled_cache_dir(cache_root))
 
 
+COMPILE_CACHE_BYTES = 16 << 20
+"""Free space the compile cache's folder needs at least: inductor writes the code it generates
+there (and builds it there on a CPU) before the run can use it, a few MiB for a small model."""
+
+
 def keep_compiled_code(cache_root: Path | None = None) -> str:
     """Point inductor's FX-graph and AOTAutograd caches (on by default in torch) at
-    :func:`compile_cache_location`, and make sure both are on; returns the folder."""
+    :func:`compile_cache_location`, and make sure both are on; returns the folder. Inductor
+    cannot compile without writing there, so a folder that cannot be written (full, read-only)
+    stops the run here in one line, before anything is compiled."""
     import torch._functorch.config as functorch_config
     from torch._inductor import config as inductor_config
+    from ..data.sources.cache import check_cache_folder
     where = compile_cache_location(cache_root)
+    named = f"${CACHE_VARIABLE}" if _USER_CACHE_DIR else "$SPEEDRUN_CACHE"
+    check_cache_folder(Path(where), "the compile cache", COMPILE_CACHE_BYTES,
+                       f"set {named} to a folder on another disk, or runtime.compile=off to train without compiling")
     os.environ[CACHE_VARIABLE] = where
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True

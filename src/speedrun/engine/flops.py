@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import sys
 import time
 from collections import Counter
 from typing import Sequence
@@ -120,8 +121,9 @@ def _read_kept(path) -> dict:
 
 def kept(kind: str, key: dict, compute):
     """``compute()``, or the value an earlier process computed for the same ``kind`` and ``key``
-    and kept in :data:`KEPT_FILE`. A file that is missing, unreadable or not speedrun's, or a
-    folder that cannot be written, only means computing again (and not keeping)."""
+    and kept in :data:`KEPT_FILE`. A file that is missing, unreadable or not speedrun's only
+    means computing again; a cache folder that cannot be written (full, read-only) means not
+    keeping, said once per process, and nothing is left there (the atomic write undoes itself)."""
     from ..data.sources.cache import cache_root
     path = cache_root() / KEPT_FILE
     name = hashlib.sha256(json.dumps([kind, key], sort_keys=True).encode()).hexdigest()[:32]
@@ -130,11 +132,18 @@ def kept(kind: str, key: dict, compute):
         return found["value"]
     value = compute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, {**_read_kept(path), name: {"kind": kind, "value": value}})
-    except (OSError, SpeedrunError):
-        pass
+    except (OSError, SpeedrunError) as err:
+        if not _NOT_KEPT:                           # the cache is optional: a note, once per process
+            _NOT_KEPT.append(path)
+            print(f"speedrun: note: FLOP counts are not kept in {path} for the next run: "
+                  f"{getattr(err, 'reason', err)}; set $SPEEDRUN_CACHE to a folder that can be written to keep them",
+                  file=sys.stderr, flush=True)
     return value
+
+
+_NOT_KEPT: list = []
+"""Where :func:`kept` could not keep its figures in this process (said once)."""
 
 
 @functools.lru_cache(maxsize=None)

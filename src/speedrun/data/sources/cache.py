@@ -9,7 +9,8 @@ whole batches on the device, straight at the epoch's training size.
 The cache is a ``.npz`` named by a digest of what it was made from (every file's name, size and
 modification time, the size, channels, decoder and skip setting), so a changed folder is
 decoded again and an unchanged one is never decoded twice. It is written atomically
-(``prepare`` writes to a temporary name and renames).
+(``prepare`` writes to a temporary name and renames); a cache folder that cannot take it (full,
+read-only) stops the run in one line before any decoding, and leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ...errors import DataError
+from ...errors import DataError, RunFolderError
+from ...files import atomic_write_json, check_output_folder, disk_error
 from .arrays import load_npz
 from .builtin import ArrayDataset
 from ..pipeline.resident import resize
@@ -41,6 +43,21 @@ def cache_root(cache_dir: str | None = None) -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "speedrun"
+
+
+DECODED_INSTEAD = ("set data.cache_dir or $SPEEDRUN_CACHE to a folder on another disk, or data.cache=off to "
+                   "read the images from their folder every epoch")
+"""What a user can do when the decoded-image cache cannot be written where it is."""
+
+
+def check_cache_folder(folder: Path, what: str, need_bytes: int, instead: str) -> None:
+    """Raise :class:`RunFolderError` unless ``what`` (a cache) can be written in ``folder`` with
+    ``need_bytes`` free; the message adds how to put it elsewhere or do without (``instead``).
+    Leaves nothing on disk."""
+    try:
+        check_output_folder(folder, what, need_bytes)
+    except RunFolderError as err:
+        raise RunFolderError(f"{err} ({instead})") from None
 
 
 def cache_bytes(n_images: int, channels: int, size: int) -> int:
@@ -147,10 +164,16 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
     made, seconds = False, 0.0
 
     def decode(why: str = "") -> dict:
+        # the decoded arrays, written twice (prepare's scratch copy and the .npz), and the record beside them
+        check_cache_folder(root, "the decoded-image cache", 2 * cache_bytes(len(train) + len(val), channels, size)
+                           + (1 << 20), DECODED_INSTEAD)
         say(f"decoding {len(train) + len(val):,} images once at {size} px into {path}{why}")
         t0 = time.perf_counter()
-        result = prepare(data.path, size, path, val_fraction=data.val_fraction, seed=data.split_seed,
-                         workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
+        try:
+            result = prepare(data.path, size, path, val_fraction=data.val_fraction, seed=data.split_seed,
+                             workers=data.workers, skip_corrupt=data.skip_corrupt, decoder=data.decoder)
+        except RunFolderError as err:                 # (the disk filled while decoding: nothing was kept)
+            raise RunFolderError(f"the decoded-image cache: {err} ({DECODED_INSTEAD})") from None
         took = time.perf_counter() - t0
         say(f"decoded {result['train'] + result['test']:,} images in {took:.1f} s "
             f"({(len(train) + len(val)) / max(took, 1e-9):,.0f} images/s)"
@@ -159,9 +182,11 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
                 "decode_seconds": took, "images_per_s": (len(train) + len(val)) / took if took else None,
                 "source": str(train.root.parent if train.root.name == "train" else train.root),
                 "npz": fingerprint(path)}
-        tmp = info_path.with_name(f"{info_path.name}.{os.getpid()}.tmp")   # ranks may make it at once
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, info_path)
+        try:                                          # (a temporary name of its own: ranks may make it at once)
+            atomic_write_json(info_path, info)
+        except RunFolderError as err:                 # a cache without its record is not kept
+            path.unlink(missing_ok=True)
+            raise RunFolderError(f"the decoded-image cache: {err} ({DECODED_INSTEAD})") from None
         return info
 
     if not path.is_file():
@@ -173,7 +198,11 @@ def open_cached(train: ImageList, val: ImageList, channels: int, size: int, data
             info = {"skipped": 0}
         damage = damaged(path, info.get("npz"))
         if damage:                                    # (speedrun's own file in its cache folder: made again)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as err:
+                raise RunFolderError(f"the decoded-image cache: {disk_error(path, err, 'replace the damaged')} "
+                                     f"({DECODED_INSTEAD})") from None
             info, made = decode(f" again: the cached copy {damage}"), True
     seconds = info.get("decode_seconds", 0.0) if made else 0.0
     ds = load_npz(path)
