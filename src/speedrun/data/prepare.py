@@ -9,10 +9,10 @@ the folder pipeline on known data.
 """
 from __future__ import annotations
 
+import multiprocessing.context
 import multiprocessing.pool
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import zipfile
@@ -50,8 +50,11 @@ def progress_bar() -> Progress:
 def worker_pool(workers: int, initializer=None, initargs=()) -> Iterator[multiprocessing.pool.Pool]:
     """A pool of ``workers`` processes that are never forked from this one (see
     :func:`.stream.worker_context`), for a ``with`` block: closed and waited for when the block
-    ends, ended (``Pool.terminate``) when it fails or is interrupted."""
-    pool = worker_context().Pool(workers, initializer=_pool_worker, initargs=(os.getpid(), initializer, initargs))
+    ends, ended (``Pool.terminate``, by SIGKILL: :class:`_PoolContext`) when it fails or is
+    interrupted."""
+    worker_context()                            # (the fork server, started as every worker needs it)
+    pool = multiprocessing.pool.Pool(workers, initializer=_pool_worker, initargs=(os.getpid(), initializer, initargs),
+                                     context=_PoolContext())
     try:
         yield pool
     except BaseException:
@@ -62,13 +65,21 @@ def worker_pool(workers: int, initializer=None, initargs=()) -> Iterator[multipr
     pool.join()
 
 
+class _KilledByTerminate(multiprocessing.context.ForkServerProcess):
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _PoolContext(multiprocessing.context.ForkServerContext):
+    """The fork server's context, whose processes ``terminate`` ends with SIGKILL: a pool's workers
+    ignore the stop signals from their first instruction (as every process of the fork server
+    does), and ``Pool.terminate`` ends the ones still waiting for work by terminating them, once
+    it holds the task queue's lock (so none is killed holding it)."""
+    Process = _KilledByTerminate
+
+
 def _pool_worker(owner: int, initializer, initargs) -> None:
-    """A pool worker's start: as a data loader's (:func:`~speedrun.stop_signals.worker_of`), except
-    that SIGTERM ends it, since ``Pool.terminate`` ends workers that way (one still waiting for
-    work could not be ended otherwise)."""
     worker_of(owner)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if initializer is not None:
         initializer(*initargs)
 
