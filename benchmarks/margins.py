@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -35,7 +34,7 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
 import small_data  # noqa: E402
-from matrix import FIELDS, MATRIX, command  # noqa: E402
+from matrix import FIELDS, MATRIX, bar, command  # noqa: E402
 
 from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
@@ -54,12 +53,6 @@ LEARNING_TESTS = {
     "tests/test_loop.py::test_a_model_stored_in_bf16_trains_with_its_batch_norm_in_fp32": (0.4, 2000),
     "tests/test_weight_grad.py::test_a_speed_net_learns_as_well_with_the_products": (0.4, 2000),
 }
-
-
-def bar(classes: int, images: int) -> float:
-    """Chance plus three standard errors of an accuracy on ``images`` test images: the matrix's bar."""
-    chance = 1 / classes
-    return chance + 3 * math.sqrt(chance * (1 - chance) / images)
 
 
 def names(entries) -> list[str]:

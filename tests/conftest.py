@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import small_data  # noqa: E402
-from small_data import REPO, build_once, shared_data, speedrun as _cli  # noqa: E402,F401
+from small_data import build_once, shared_data, speedrun as _cli  # noqa: E402
 
 
 def pytest_configure(config):

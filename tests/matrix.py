@@ -4,6 +4,7 @@ CPU (and on a GPU by the earlier gpu_smoke.py, which docs/results.md says how to
 plain Python, no test framework."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -84,6 +85,13 @@ class Entry:
     def id(self) -> str:
         mode = "eager" if self.backend is None else f"compiled-{self.backend}"
         return f"{self.recipe}-{self.data}-{self.precision}-{mode}"
+
+
+def bar(classes: int, images: int) -> float:
+    """What an entry's test accuracy must reach: chance plus three standard errors of an accuracy
+    on ``images`` test images."""
+    chance = 1 / classes
+    return chance + 3 * math.sqrt(chance * (1 - chance) / images)
 
 
 def command(entry: Entry, data: Path, out: Path, seed: int | None = None,

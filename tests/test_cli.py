@@ -1,6 +1,5 @@
 """End to end: the real command, real data, real files."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,15 +11,10 @@ import torch
 from speedrun.models import build_model
 from speedrun.recipe import load_recipe
 
+from small_data import speedrun
+
 QUICK = ["--set", "train.epochs=0.25", "--set", "model.widths=[16,32,32]", "--set", "eval.tta=flip"]
 
-
-def speedrun(*args, env=None, check=True):
-    proc = subprocess.run([sys.executable, "-m", "speedrun", *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"speedrun {args} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
 
 
 @pytest.fixture(scope="module")

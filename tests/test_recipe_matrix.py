@@ -38,7 +38,7 @@ import torch
 from speedrun.cli import main
 from speedrun.recipe import Recipe, load_recipe, shipped_recipes
 
-from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, command, step_features
+from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, bar, command, step_features
 from test_cli import speedrun
 from test_docs import field_paths
 
@@ -116,11 +116,11 @@ def check_record(out, entry: Entry) -> dict:
     assert bool(summary["conv_weight_grad_choices"]) == measured, summary["conv_weight_grad_choices"]
     # the run learned: better than chance by three standard errors of the accuracy on its test slice
     classes = len(json.loads((out / "preprocessing.json").read_text())["classes"])
-    n, chance = summary["test_images"], 1 / classes
-    bar = chance + 3 * math.sqrt(chance * (1 - chance) / n)
-    assert summary["test_acc"] >= bar and summary["test_acc_no_tta"] >= bar, \
+    n = summary["test_images"]
+    least = bar(classes, n)
+    assert summary["test_acc"] >= least and summary["test_acc_no_tta"] >= least, \
         f"{entry.id}: accuracy {summary['test_acc']:.3f} (no TTA {summary['test_acc_no_tta']:.3f}) on {n} test " \
-        f"images of {classes} classes; chance + 3 SE = {bar:.3f}"
+        f"images of {classes} classes; chance + 3 SE = {least:.3f}"
     assert summary["steps"] >= 3 and 0 < summary["train_seconds"] < summary["wall_seconds"]
     assert len(rows) == math.ceil(summary["epochs"] - 1e-9) and rows[-1]["test_acc"] == summary["test_acc_no_tta"]
     assert all(math.isfinite(r["train_loss"]) for r in rows)

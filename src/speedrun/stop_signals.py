@@ -90,22 +90,16 @@ def ignored_by_children():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def ignore_in_worker(worker_id: int = 0) -> None:
-    """A data-loading worker process leaves the stop signals to its parent: SLURM and a
-    terminal signal every process of a job or process group, and a worker that died of one
-    would fail the step the parent is finishing. The parent ends its workers itself."""
-    for s in SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-
-
 def worker_of(owner: int, worker_id: int = 0) -> None:
     """The start of a worker process that serves the process ``owner`` (a trainer; a data
     loader's ``worker_init_fn``, with ``functools.partial``): it ignores the stop signals and ends as soon
     as ``owner`` has ended, however it ended. A worker forked by a fork server is the server's
     child, not the owner's, and the server lives as long as any child it forked: without this, a
     trainer killed outright (SIGKILL, the out-of-memory killer) would leave its workers and
-    their server running, holding memory and the trainer's output pipes, for ever."""
-    ignore_in_worker()
+    their server running, holding memory and the trainer's output pipes, for ever. (The stop
+    signals are set ignored here too, for a worker started by another kind of process.)"""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     try:
         watch = os.pidfd_open(owner)
     except ProcessLookupError:                # (already gone)

@@ -65,6 +65,10 @@ class EpochCount:
         """'k/E' for epoch ``epoch`` (from 1) of E."""
         return f"{min(epoch, self.epochs):g}/{self.epochs:g}"
 
+    def at_step(self, done: int, steps_per_epoch: float) -> int:
+        """The epoch (from 1) that runs after ``done`` steps."""
+        return min(int(done // steps_per_epoch) + 1, self.count)
+
     def running(self, epoch: int, reached: float) -> str:
         """The label while epoch ``epoch`` trains, ``reached`` epochs done: the partial last
         epoch (all of a run shorter than one) shows how far it has come, 'k.kk/E'."""
@@ -103,7 +107,7 @@ class LogLines:
         self.total, self.epochs, self.batch = total_steps, EpochCount(epochs), batch_size
         self.steps_per_epoch, self.eval_images = total_steps / epochs, eval_images
         self.done, self.last_loss = done, None
-        self.epoch_now = min(int(done // self.steps_per_epoch) + 1, self.epochs.count)
+        self.epoch_now = self.epochs.at_step(done, self.steps_per_epoch)
         self.t0 = self.last_t = time.monotonic()
         self.first = self.last_done = done
         self.print(f"{self.title}: {total_steps} steps in {epochs_text(epochs)}, batch {batch_size}")
@@ -155,7 +159,7 @@ class ProgressBar:
         self.epochs = EpochCount(epochs)
         if self.task is not None:
             self.bar.remove_task(self.task)
-        epoch = min(int(done // (total_steps / epochs)) + 1, self.epochs.count)
+        epoch = self.epochs.at_step(done, total_steps / epochs)
         self.task = self.bar.add_task(f"{self.title} epoch {self.epochs.label(epoch)}", total=total_steps,
                                       completed=done, info="")
 
