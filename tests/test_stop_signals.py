@@ -307,3 +307,23 @@ def test_a_trainer_killed_outright_leaves_none_of_its_helpers_running(jpeg32, tm
     left = [pid for pid in helpers if Path(f"/proc/{pid}").exists()]
     assert not left, f"still running after the trainer was killed: {left}"
     proc.stdout.close()
+
+
+@pytest.mark.parametrize("wait", ["pidfd", "poll"])
+def test_a_worker_learns_of_its_trainers_end_with_or_without_a_pidfd(wait):
+    """How a worker waits for its trainer's end (speedrun.stop_signals.wait_until_gone): the
+    kernel's pidfd, or, on a kernel without pidfd_open (Linux before 5.3) or where a container
+    forbids it, a check every poll interval; each returns once a real process has ended, not
+    before."""
+    import threading
+    from speedrun.stop_signals import poll_until_gone, wait_until_gone
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    waiter = threading.Thread(target=(lambda: wait_until_gone(proc.pid)) if wait == "pidfd"
+                              else (lambda: poll_until_gone(proc.pid, 0.05)), daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()                            # the process still runs
+    proc.kill()
+    proc.wait()
+    waiter.join(5)
+    assert not waiter.is_alive()

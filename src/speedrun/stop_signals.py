@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 
 RESUMABLE_EXIT = 75
@@ -100,15 +101,37 @@ def worker_of(owner: int, worker_id: int = 0) -> None:
     signals are set ignored here too, for a worker started by another kind of process.)"""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    try:
-        watch = os.pidfd_open(owner)
-    except ProcessLookupError:                # (already gone)
-        os._exit(0)
 
-    def wait() -> None:
-        select.select([watch], [], [])        # readable once the process has ended
+    def watch() -> None:
+        wait_until_gone(owner)
         os._exit(0)
-    threading.Thread(target=wait, name="speedrun-trainer-watch", daemon=True).start()
+    threading.Thread(target=watch, name="speedrun-trainer-watch", daemon=True).start()
+
+
+def wait_until_gone(pid: int, poll_s: float = 1.0) -> None:
+    """Return once process ``pid`` has ended: woken by the kernel through a pidfd, or, where
+    there is none (Linux before 5.3, a container that forbids the call), by asking every
+    ``poll_s`` seconds."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:
+        return poll_until_gone(pid, poll_s)
+    select.select([handle], [], [])           # readable once the process has ended
+    os.close(handle)
+
+
+def poll_until_gone(pid: int, poll_s: float) -> None:
+    """:func:`wait_until_gone` without a pidfd: whether ``pid`` still exists, every ``poll_s`` s."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except OSError:                       # (alive, owned by another user)
+            pass
+        time.sleep(poll_s)
 
 
 def requeue_slurm_job(signum: int | None, env=None) -> str | None:
