@@ -128,6 +128,7 @@ def _small(name: str):
 
 
 jpeg32 = _small("jpeg32")
+fashion_later = _small("fashion_later")
 fashion_jpeg = _small("fashion_jpeg")
 tiny64 = _small("tiny64")
 imagenet224 = _small("imagenet224")

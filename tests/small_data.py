@@ -79,6 +79,18 @@ def fashion_small(root: Path, data_dir: Path, dataset=None) -> Path:
     return build_once(root, "fashion-small", build) / "fashion.npz"
 
 
+def fashion_later(root: Path, data_dir: Path, dataset=None) -> Path:
+    """Fashion-MNIST's training images 1,024 to 2,047 and test images 256 to 511: none of
+    fashion_small's (weights trained on that set are fine-tuned on this one)."""
+    def build(tmp):
+        from speedrun.data import load_dataset
+        ds = dataset or load_dataset("fashion-mnist", data_dir, fetch=False)
+        tmp.mkdir()
+        np.savez(tmp / "fashion-later.npz", x_train=ds.train_x[1024:2048].numpy(), y_train=ds.train_y[1024:2048].numpy(),
+                 x_test=ds.test_x[256:512].numpy(), y_test=ds.test_y[256:512].numpy(), classes=np.array(ds.classes))
+    return build_once(root, "fashion-later", build) / "fashion-later.npz"
+
+
 def jpeg32(root: Path, data_dir: Path) -> Path:
     """CIFAR-10 as JPEG files at 32 px in the ImageNet layout: 512 train, 512 val images."""
     return build_once(root, "jpeg32", lambda tmp: speedrun("data", "export", "cifar10", "--format", "jpeg",
@@ -146,6 +158,6 @@ def tiny_npz32(root: Path, data_dir: Path) -> Path:
     return build_once(root, "tiny_npz32", build) / "t32.npz"
 
 
-BUILDERS = {f.__name__: f for f in (cifar_small, fashion_small, jpeg32, fashion_jpeg, tiny64, imagenet224, imagenette_tiny,
+BUILDERS = {f.__name__: f for f in (cifar_small, fashion_small, fashion_later, jpeg32, fashion_jpeg, tiny64, imagenet224, imagenette_tiny,
                                     npz32, tiny_npz32)}
 """Fixture name -> builder(root, data_dir)."""

@@ -59,7 +59,8 @@ def test_metrics_have_one_line_per_epoch(quick_run):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     assert set(rows[0]) == {"epoch", "train_loss", "train_acc", "test_acc", "lr", "seconds", "seconds_total",
-                            "skipped_steps"}
+                            "skipped_steps", "holdout_acc"}
+    assert rows[0]["holdout_acc"] is None                  # (train.stop_at_target is off)
     summary = json.loads((out / "summary.json").read_text())
     assert rows[0]["test_acc"] == summary["test_acc_no_tta"]
 

@@ -26,6 +26,18 @@ MIN_FREE_BYTES = 1 << 20
 """Free space an output folder needs at least (records, reports); runs ask for more."""
 
 
+def cache_root(cache_dir: str | None = None) -> Path:
+    """speedrun's cache folder (decoded images, compiled code, fetched weights): ``cache_dir``
+    where given, else ``$SPEEDRUN_CACHE``, else ``$XDG_CACHE_HOME/speedrun`` or ``~/.cache/speedrun``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SPEEDRUN_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "speedrun"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

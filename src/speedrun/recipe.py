@@ -58,7 +58,11 @@ class DataConfig(Section):
         160, description="imagenette: which official archive, imagenette2-160.tgz or imagenette2-320.tgz "
         "(shorter side of the images in pixels)")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="folder without val/: fraction held out")
-    split_seed: int = Field(0, ge=0, description="seed of the train/val split of a single folder")
+    split_seed: int = Field(0, ge=0, description="seed of the train/val split of a single folder, and of the "
+                            "data.holdout split")
+    holdout: float = Field(0.1, gt=0, le=0.5, description="with train.stop_at_target: the fraction of the training "
+                           "images held out (per class, seeded by data.split_seed) as the validation split the "
+                           "target is checked on; they are never trained on")
     image_size: int = Field(0, ge=0, description="folder: training crop size in pixels (decoded folders: the "
                             "random-resized crops' size); 0 = from the data")
     eval_size: int = Field(0, ge=0, description="folder: evaluation size in pixels (decoded once: at least "
@@ -185,6 +189,28 @@ class NormConfig(Section):
         return self
 
 
+INIT_DESCRIPTION = (
+    "how the weights start: {schemes}, or weights to start from (fine-tuning): a speedrun run folder or its "
+    "model.pt, a .pt/.pth/.safetensors file of ResNet weights in torchvision's or timm's layout, "
+    "torchvision:NAME.WEIGHTS (e.g. torchvision:resnet50.IMAGENET1K_V2, fetched and checked against its published "
+    "hash), or timm:NAME (e.g. timm:resnet50.a1_in1k; needs speedrun[timm]; timm:NAME=FILE for a local copy). "
+    "With weights, the network is the one they were trained as: this section's other fields are taken from them")
+
+SCHEMES = ("default", "kaiming", "xavier")
+"""``model.init`` values that name an initialisation scheme rather than weights to load."""
+
+
+def init_is_weights(init: str) -> bool:
+    """Whether ``model.init`` names weights to start from (not a scheme)."""
+    return init not in SCHEMES
+
+
+def _plain_init(init: str) -> str:
+    if not init.strip():
+        raise ValueError("model.init is empty: give an initialisation scheme or weights to start from")
+    return init
+
+
 class SpeedNetConfig(Section):
     name: Literal["speednet"] = "speednet"
     widths: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
@@ -196,6 +222,7 @@ class SpeedNetConfig(Section):
     celu_alpha: float = Field(0.3, gt=0)
     out_scale: float = Field(1.0, gt=0, description="multiplier on the logits")
     identity_init: bool = Field(False, description="Dirac-initialise the first in-channels of each conv")
+    init: str = Field("default", description=INIT_DESCRIPTION.format(schemes="default (the speed net's own)"))
     global_pool_grad: Literal["scatter", "select"] = Field(
         "scatter", description="the global max-pool's backward: scatter (torch's adaptive max-pool, atomic adds "
                                "on a GPU) or select (an element-wise select at the stored argmax, no atomics)")
@@ -204,6 +231,10 @@ class SpeedNetConfig(Section):
 
     @model_validator(mode="after")
     def _lengths(self):
+        _plain_init(self.init)
+        if self.init in ("kaiming", "xavier"):
+            raise ValueError(f"model.init = {self.init} is a ResNet's scheme; the speed net starts from its own "
+                             "(default) or from weights")
         n = len(self.widths)
         for field in ("convs", "residual"):
             value = getattr(self, field)
@@ -227,11 +258,13 @@ class ResNetConfig(Section):
         "none", description="low-pass (binomial 3x3) before down-sampling, after Zhang (2019): stem = the stem's "
         "max-pool becomes a stride-1 max-pool then a blur with stride 2 (MaxBlurPool); all = also a blur "
         "before each strided convolution of the blocks (needs stem = imagenet)")
-    init: Literal["kaiming", "xavier"] = "kaiming"
+    init: str = Field("kaiming", description=INIT_DESCRIPTION.format(
+        schemes="kaiming (He-normal convolutions) or xavier (Xavier-uniform)"))
     norm: NormConfig = NormConfig()
 
     @model_validator(mode="after")
     def _check(self):
+        _plain_init(self.init)
         if self.antialias != "none" and self.stem != "imagenet":
             raise ValueError(f"model.antialias={self.antialias!r} blurs the down-sampling of the imagenet stem and "
                              "the stages after it; with stem = 'cifar' use antialias = 'none'")
@@ -362,6 +395,33 @@ class TrainConfig(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     seed: int = Field(0, ge=0)
     accumulate: int = Field(1, ge=1, description="split each batch into this many micro-batches")
+    stop_at_target: bool = Field(False, description="stop once `target` is reached on a validation split held out "
+                                 "of the training images (data.holdout; never the test set), checked after each "
+                                 "train.stop_check_every epochs with the averaged weights and no TTA; the check's "
+                                 "time counts in the run's; the final evaluation on the test set follows as usual")
+    stop_check_every: int = Field(1, ge=1, description="with train.stop_at_target: epochs between checks")
+
+    @model_validator(mode="after")
+    def _used(self):
+        self.refuse_unused("stop_at_target", False, ("stop_check_every",), "train",
+                           "set train.stop_at_target = true to stop at the target")
+        return self
+
+
+class FinetuneConfig(Section):
+    head_epochs: float = Field(0.0, ge=0, description="epochs at the start in which only the classifier (and, "
+                               "with finetune.train_norm, the batch norms) trains, the rest of the network held at "
+                               "LR 0 by a mask in the step (the same program on one process and under DDP); 0 = off")
+    lr_first: float = Field(1.0, gt=0, le=1, description="discriminative learning rates: the LR multiplier of the "
+                            "network's first block, growing geometrically block by block to 1 at the classifier "
+                            "(0.01 spans fastai's slice(lr/100, lr); timm's layer decay d over n blocks is d**n); "
+                            "1 = one LR for the whole network")
+    train_norm: bool = Field(True, description="batch-norm scales and shifts of the held network train during "
+                             "finetune.head_epochs (their running statistics always follow the new data)")
+
+    @property
+    def active(self) -> bool:
+        return self.head_epochs > 0 or self.lr_first < 1
 
 
 class DistillConfig(Section):
@@ -474,6 +534,7 @@ class Recipe(Section):
     schedule: ScheduleConfig
     averaging: AveragingConfig = AveragingConfig()
     train: TrainConfig
+    finetune: FinetuneConfig = FinetuneConfig()
     distill: DistillConfig = DistillConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
@@ -511,6 +572,12 @@ class Recipe(Section):
         if self.data.prune and (a.mixup or a.cutmix):
             raise ValueError(f"data.prune={self.data.prune} weighs each image's own loss, which mixed images "
                              "(augment.mixup, augment.cutmix) do not have: turn one of them off")
+        d, t = self.data, self.train
+        if ("holdout" in d.model_fields_set and d.holdout != DataConfig.model_fields["holdout"].default
+                and not t.stop_at_target and "stop_at_target" not in t.model_fields_set):
+            raise ValueError(f"data.holdout = {d.holdout!r} does nothing with train.stop_at_target = False: set "
+                             "train.stop_at_target = true to hold out a validation split, or leave data.holdout "
+                             "at the default")
         if not self.data.batch_size:            # per_device_batch: checked once the device count is known
             return self
         gb = self.model.norm.ghost_batch
@@ -643,7 +710,8 @@ def held_for_data(raw: dict, overrides: list[str]) -> list[str]:
     if not (isinstance(data, dict) and data.get("auto_choices") is True
             and data.get("dataset") in ("folder", "imagenette")):
         return []
-    return [o for o in overrides if parse_override(o)[0][0] in CHOSEN_BY_DATA]
+    # (model.init is checked at once: weights to start from decide the model the data gets)
+    return [o for o in overrides if parse_override(o)[0][0] in CHOSEN_BY_DATA and parse_override(o)[0] != ["model", "init"]]
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:

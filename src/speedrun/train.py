@@ -26,7 +26,7 @@ from .report import loggers
 from .report.console import TrainingProgress, print_table
 from .report.environment import environment
 from .report.record import NullRecord, RunRecord, new_run_dir, run_folder_bytes
-from .report.summary import preprocessing_of, summary_of, target_line
+from .report.summary import preprocessing_of, stop_at_target_line, summary_of, target_line
 
 
 def out_of_memory_message(recipe: Recipe, device) -> str:
@@ -231,6 +231,8 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
                                      f"node{'s' if world.nodes > 1 else ''})"))
     if result.recompiles:
         rows.insert(6, ("recompiles during the run", str(result.recompiles)))
+    if result.target_stop is not None:
+        rows.insert(4, ("stop at target", stop_at_target_line(result.target_stop)))
     if summary["skipped_images"]:
         rows.insert(4, ("unreadable images skipped", str(summary["skipped_images"])))
     if result.resumed_from_step is not None:

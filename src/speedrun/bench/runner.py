@@ -91,6 +91,7 @@ def run_bench(recipe: Recipe, device, runs: int, data_dir=None, seed0: int | Non
             "epochs": result.epochs,
             "steps": result.steps,
             "recompiles": result.recompiles,
+            "stop_at_target": result.target_stop.describe() if result.target_stop is not None else None,
             "times": {"train+eval": result.train_seconds, "end_to_end": t2 - t1 - paused,
                       "run_start_to_stop": t2 - t0 - paused},
             "history": [vars(h) for h in result.history],

@@ -23,6 +23,7 @@ from .checkpoint import read_weights
 from .distributed import World
 from .runtime import Runtime, compiled_model
 from .sizes import step_image_shapes
+from .weights import load_into
 from .step import TrainStep
 
 
@@ -42,9 +43,12 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fresh_model(recipe: Recipe, source, seed: int) -> nn.Module:
-    """The recipe's model for the data of ``source``, initialised from ``seed`` (on the CPU)."""
+    """The recipe's model for the data of ``source``, initialised from ``seed`` (on the CPU),
+    then loaded from the weights ``model.init`` names where it names some."""
     torch.manual_seed(seed)
-    return build_model(recipe.model, source.in_channels, source.num_classes)
+    model = build_model(recipe.model, source.in_channels, source.num_classes)
+    load_into(model, recipe, source.in_channels, source.num_classes, list(source.classes))
+    return model
 
 
 def build_for_run(recipe: Recipe, source, runtime: Runtime, world: World, seed: int) -> BuiltModel:

@@ -125,6 +125,8 @@ def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: i
         "elapsed": clock.elapsed(), "paused": dict(clock.paused),
         **({"pruner": {**step.loss.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
            if step.loss.pruner is not None else {}),
+        **({"target_checks": {"checks": st.target.checks, "seconds": st.target.seconds}}
+           if st.target is not None else {}),
     })
 
 
@@ -146,4 +148,6 @@ def restore_run(state: dict, recipe, model, step, st) -> tuple[float, dict]:
                               f"{step.steps_done} differ; it is damaged")
     st.epoch, st.skip = state["epoch"], state["batch_in_epoch"]
     st.nonfinite_run = state.get("nonfinite_run", 0)
+    if st.target is not None and "target_checks" in state:     # train.stop_at_target's checks so far
+        st.target.checks, st.target.seconds = state["target_checks"]["checks"], state["target_checks"]["seconds"]
     return state["elapsed"], state["paused"]

@@ -10,7 +10,8 @@ losses and correct counts stay on the device and are read back once per epoch. T
 (``train_seconds``) runs from the first touch of the training data to the final accuracy;
 everything else a run does (snapshots of the last good weights, checkpoints, metrics
 files, progress, monitoring evaluations) happens with the clock paused, in ``train`` and
-``bench`` alike.
+``bench`` alike; the checks of ``train.stop_at_target`` on the validation split held out of
+the training images are not paused: they are part of the time to the target.
 """
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ from ..data.augment.batch import BatchAugment
 from ..data.pipeline.dataset import open_pipeline, place_source
 from ..data.pipeline.pruning import LossPruner
 from ..data.pipeline.shard import Shard
+from ..data.sources.holdout import holdout_images
 from ..errors import DataError, RecipeError
-from ..recipe import Recipe, steps_per_epoch, total_steps
+from ..recipe import Recipe, init_is_weights, steps_per_epoch, total_steps
 from . import checkpoint as ckpt
 from . import distributed
 from .build import build_for_run, fresh_model, snapshot, teacher_for, train_step_for
 from .distributed import World
 from .evaluate import TTA_VIEWS, evaluate
 from .precision import NonFiniteLoss, first_bad_step
-from .records import EpochRecord, EpochSteps, RunResult
+from .records import EpochRecord, EpochSteps, RunResult, TargetStop
 from .compiling import cache_counts
 from .runtime import Runtime, compiled_graphs
 from .sizes import epoch_image_side, resized_in_step, run_image_sides
@@ -67,6 +69,7 @@ class NullProgress:
     def epoch(self, record: EpochRecord) -> None: ...
     def final_evaluation(self, images: int, tta: str) -> None: ...
     def final_evaluation_done(self, seconds: float) -> None: ...
+    def target_reached(self, target: TargetStop) -> None: ...
 
 
 class LastGood:
@@ -123,6 +126,7 @@ class RunState:
     epoch_gen_state: torch.Tensor | None = None
     history: list[EpochRecord] = field(default_factory=list)
     nonfinite_run: int = 0
+    target: TargetStop | None = None      # train.stop_at_target: its checks so far
 
 
 def local_batch(recipe: Recipe, world: World) -> int:
@@ -163,6 +167,11 @@ class Session:
             raise RecipeError(f"data.prune={recipe.data.prune} keeps each image's loss in one process; it does not "
                               f"run data-parallel ({world.size} processes): set data.prune=0")
         self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
+        self.holdout_images = holdout_images(source)
+        if recipe.train.stop_at_target and not self.holdout_images:
+            raise RecipeError("train.stop_at_target checks the target on a validation split held out of the "
+                              "training images, and this data has none: open it with open_source, which holds "
+                              "out data.holdout of them")
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -188,10 +197,13 @@ class Session:
     def _run_state(self, data, seed: int) -> RunState:
         gen = torch.Generator(device=self.runtime.device)
         gen.manual_seed(seed)
+        t = self.recipe.train
+        target = TargetStop(self.recipe.target, self.holdout_images, t.stop_check_every) if t.stop_at_target else None
         return RunState(gen=gen, augment=BatchAugment(self.recipe.augment, data.n_train, data.image_size, gen,
                                                       self.runtime.device, data.mean, data.std,
                                                       resized_crop=not data.crops_in_workers,
-                                                      input_size=getattr(data, "stored_size", None)))
+                                                      input_size=getattr(data, "stored_size", None)),
+                        target=target)
 
     # ------------------------------------------------------------------------------------
     # Training
@@ -220,7 +232,7 @@ class Session:
         # --- first touch of the training data: measure, whiten ---------------------------
         data = open_pipeline(source, r, rt, seed, self.shard)
         whiten = getattr(model, "whiten", None)
-        if whiten is not None and resume is None:
+        if whiten is not None and resume is None and not init_is_weights(r.model.init):    # (loaded with the weights)
             whiten.fit(data.whitening_sample(r.model.whiten.samples))
         step.reset(seed)                                # (the average starts from the fitted whitening)
         st = self._run_state(data, seed)
@@ -250,19 +262,24 @@ class Session:
                     if on_steps is not None:
                         on_steps(EpochSteps(epoch + 1, first + 1, step_losses, [base_lr * m for m in lrs[first:done]],
                                             moms[first:done] if moms else None))
-                if r.eval.every and (epoch + 1) % r.eval.every == 0 and epoch + 1 < self.n_epochs:
+                last = epoch + 1 == self.n_epochs or self._target_reached(data, st, rec, clock)
+                if r.eval.every and (epoch + 1) % r.eval.every == 0 and not last:
                     averager = step.averager
                     with clock.pause("monitor"), (averager.applied() if averager else nullcontext()):
-                        _, plain, n_test = self._evaluate(data, "none", 1.0).tolist()
+                        _, plain, n_test = self._evaluate(data.test_batches(r.eval.batch_size), "none", 1.0).tolist()
                         rec.test_acc = plain / n_test
                 rec.seconds_total = clock.seconds()
                 rec.seconds = rec.seconds_total - (st.history[-1].seconds_total if st.history else 0.0)
                 st.history.append(rec)
-                if epoch + 1 < self.n_epochs:
-                    with clock.pause("bookkeeping"):
-                        progress.epoch(rec)
-                        if on_epoch is not None:
-                            on_epoch(rec)
+                if last:                                # (its record is told with the final accuracy)
+                    if st.target is not None and st.target.reached is not None:
+                        with clock.pause("bookkeeping"):
+                            progress.target_reached(st.target)
+                    break
+                with clock.pause("bookkeeping"):
+                    progress.epoch(rec)
+                    if on_epoch is not None:
+                        on_epoch(rec)
 
             # --- final evaluation, with the recipe's TTA --------------------------------------
             if step.averager is not None:
@@ -270,7 +287,8 @@ class Session:
             eval_start = clock.seconds()
             with clock.pause("bookkeeping"):
                 progress.final_evaluation(len(self.source.test_y), r.eval.tta)
-            c_tta, c_plain, n_test = self._evaluate(data, r.eval.tta, r.eval.tta_fraction).tolist()
+            c_tta, c_plain, n_test = self._evaluate(data.test_batches(r.eval.batch_size), r.eval.tta,
+                                                    r.eval.tta_fraction).tolist()
         except DataError as err:
             if step.steps_done == 0:
                 raise
@@ -296,7 +314,7 @@ class Session:
                          skipped_files=dict(data.skipped_files),
                          resumed_from_step=resume["step"] if resume else None,
                          normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test),
-                         pass_images=list(pruner.kept) if pruner is not None else [])
+                         pass_images=list(pruner.kept) if pruner is not None else [], target_stop=st.target)
 
     def _pruner(self, data) -> LossPruner | None:
         """The run's loss-based pruning of easy images (``data.prune``), attached to the data."""
@@ -309,13 +327,36 @@ class Session:
         data.pruner = LossPruner(data.n_train, d.prune, full_from, self.runtime.device)
         return data.pruner
 
-    def _evaluate(self, data, tta: str, fraction: float) -> torch.Tensor:
-        """(correct with TTA, correct without, images) over the whole test set: each rank
-        evaluates its share with the batch-norm statistics averaged over ranks, and the counts
-        are summed."""
+    def _target_reached(self, data, st: RunState, rec: EpochRecord, clock: Clock) -> bool:
+        """train.stop_at_target, after an epoch that is not the run's last (where it would stop
+        anyway) and is due a check: the accuracy on the validation split held out of the
+        training images (never the test set), with the averaged weights and the plain view,
+        counted over every rank so that every rank decides alike; whether it reached the
+        target. The check is timed as part of the run (its seconds are also kept apart)."""
+        target = st.target
+        if target is None or (st.epoch + 1) % target.every:
+            return False
+        averager = self.step.averager
+        self.runtime.synchronize()
+        t0 = time.perf_counter()
+        with averager.applied() if averager else nullcontext():
+            _, plain, n = self._evaluate(data.holdout_batches(self.recipe.eval.batch_size), "none", 1.0).tolist()
+        target.checks += 1
+        target.seconds += time.perf_counter() - t0
+        rec.holdout_acc = plain / n
+        if rec.holdout_acc < target.target:
+            return False
+        target.reached = {"epoch": st.epoch + 1, "step": self.step.steps_done, "seconds": clock.seconds(),
+                          "holdout_acc": rec.holdout_acc}
+        return True
+
+    def _evaluate(self, batches, tta: str, fraction: float) -> torch.Tensor:
+        """(correct with TTA, correct without, images) over the whole of an evaluation set
+        (``batches``: the test set, or the validation split held out for train.stop_at_target):
+        each rank evaluates its share with the batch-norm statistics averaged over ranks, and the
+        counts are summed."""
         distributed.average_norm_statistics(self.model, self.world)
-        c_tta, c_plain, n = evaluate(self.forward, data.test_batches(self.recipe.eval.batch_size), tta, self.runtime,
-                                     fraction)
+        c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction)
         counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
         return distributed.all_reduce_sum(counts, self.world)
 

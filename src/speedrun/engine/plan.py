@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..data.pipeline.dataset import open_source
+from ..data.sources.holdout import holdout_images
 from ..optim.orthogonal import ns_dtype
 from ..recipe import Recipe, steps_per_epoch, total_steps
 from .batch_finder import fit_batch as fit_batch_to
@@ -29,6 +30,7 @@ from .distributed import World
 from .runtime import Runtime, resolve_runtime
 from .sizes import run_image_sides, sizes_share_one_graph
 from .warmup import eval_batch_sizes
+from .weights import loaded_lines, normalise_as_trained, settle_model, start_of, weights_for
 
 
 def fit_batch_to_device(recipe: Recipe, source, runtime: Runtime, say=print) -> Recipe:
@@ -78,9 +80,20 @@ def compile_plan(recipe: Recipe, source, runtime: Runtime) -> CompilePlan:
     process's share of the evaluation)."""
     steps = total_steps(recipe, len(source.train_y))
     epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
-    return CompilePlan(tuple(run_image_sides(recipe, source.image_size[0], epochs)),
-                       tuple(eval_batch_sizes(len(source.test_y), recipe.eval.batch_size)), steps,
+    held = holdout_images(source)                   # (train.stop_at_target's validation split)
+    evaluated = {*eval_batch_sizes(len(source.test_y), recipe.eval.batch_size),
+                 *(eval_batch_sizes(held, recipe.eval.batch_size) if held else [])}
+    return CompilePlan(tuple(run_image_sides(recipe, source.image_size[0], epochs)), tuple(sorted(evaluated)), steps,
                        sizes_share_one_graph(recipe, runtime.device.type, runtime.compile_backend))
+
+
+def target_stop_line(recipe: Recipe, source) -> str:
+    """What train.stop_at_target will do, said at the start of the run."""
+    every = recipe.train.stop_check_every
+    when = "after each epoch" if every == 1 else f"every {every} epochs"
+    return (f"stopping at the target {recipe.target:.2%} on a validation split of {holdout_images(source):,} training "
+            f"images held out (data.holdout={recipe.data.holdout:g}, never trained on; the test set is not read for "
+            f"it), checked {when} with the averaged weights, no TTA; the checks' time counts in the run's")
 
 
 def newton_schulz_dtype(recipe: Recipe, runtime: Runtime) -> str | None:
@@ -102,11 +115,16 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
     Newton-Schulz precision). ``fit_batch=False`` leaves the batch as the recipe has it (for
     callers that fit it themselves)."""
     t0 = time.perf_counter()
-    recipe, source = open_source(recipe, data_dir, say)
+    recipe, source = open_source(recipe, data_dir, say, start_of(recipe))
+    recipe, started = settle_model(recipe)
+    started += normalise_as_trained(source, weights_for(recipe)) + loaded_lines(recipe, source)
     opened = time.perf_counter() - t0
     choices = []
     if getattr(source, "choices", None):
         choices.append("from the data: " + "; ".join(source.choices))
+    choices += started
+    if recipe.train.stop_at_target:
+        choices.append(target_stop_line(recipe, source))
     # resolved once the run's length is known: on a CPU, "auto" compiles only where that pays
     runtime = resolve_runtime(recipe.runtime, device, recipe.model.name, total_steps(recipe, len(source.train_y)),
                               recipe.model.norm.fp32)

@@ -17,6 +17,7 @@ class EpochRecord:
     seconds: float                        # this epoch's training seconds
     skipped_steps: int = 0
     seconds_total: float = 0.0            # the run's training seconds so far (the last: with the final evaluation)
+    holdout_acc: float | None = None      # train.stop_at_target: accuracy on the held-out validation split
 
 
 @dataclass
@@ -29,6 +30,28 @@ class EpochSteps:
     loss: list[float]
     lr: list[float]
     momentum: list[float] | None
+
+
+@dataclass
+class TargetStop:
+    """What train.stop_at_target did in a run: the validation split it checked ``target`` on
+    (``holdout_images`` held out of the training images), every ``every`` epochs; how many
+    checks it made and their seconds (inside the run's training seconds); ``reached``: where
+    the target was reached and the run stopped (epoch, step, the run's seconds then, the
+    split's accuracy), None where it never was."""
+    target: float
+    holdout_images: int
+    every: int
+    checks: int = 0
+    seconds: float = 0.0
+    reached: dict | None = None
+
+    def describe(self) -> dict:
+        """For the run's records (summary.json, bench.json)."""
+        return {"target": self.target, "holdout_images": self.holdout_images, "check_every_epochs": self.every,
+                "checks": self.checks, "check_seconds": self.seconds,
+                "seconds_per_check": self.seconds / self.checks if self.checks else None,
+                "images_per_check": self.holdout_images, "reached": self.reached}
 
 
 @dataclass
@@ -52,3 +75,4 @@ class RunResult:
     normalisation: tuple[list[float], list[float]] = ((), ())   # per-channel mean, std (0..255)
     test_images: int = 0
     pass_images: list[int] = field(default_factory=list)   # data.prune: training images visited per pass
+    target_stop: TargetStop | None = None                   # train.stop_at_target: its checks, where it stopped

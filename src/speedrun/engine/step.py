@@ -83,7 +83,9 @@ class TrainStep:
             if runtime.fp32_master_weights else None
         stand_ins = self.masters.stand_ins if self.masters is not None else None
         self.opt = build_optimizer(model, r.optim, r.data.batch_size,
-                                   ns_dtype(r.optim.ns_precision, device.type, runtime.precision), stand_ins)
+                                   ns_dtype(r.optim.ns_precision, device.type, runtime.precision), stand_ins,
+                                   r.finetune)
+        self.head_steps = round(r.finetune.head_epochs * steps_per_epoch)    # fine-tuning: the body held
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.model_params = self.masters.low if self.masters is not None else self.params
         self.averager = build_averager(model, r.averaging, total_steps, stand_ins)
@@ -166,7 +168,8 @@ class TrainStep:
         if self.masters is not None:
             self.masters.take_grads()
         overflow, grad_scale, before = self.precision.check(self.params, state)
-        self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps, grad_scale)
+        self.opt.update(lr_mult, momentum, WHITEN_FROZEN, step >= self.whiten_steps, grad_scale,
+                        step < self.head_steps if self.head_steps else False)
         self.precision.settle(overflow, before, self.params + state)   # an overflow leaves them as they were
         if self.averager is not None:
             # compiled: every-N decided on the device (one graph for every step); eager: on the
@@ -183,7 +186,7 @@ class TrainStep:
     # ======================================================================================
     def base_lr(self) -> float:
         """The weights' LR before the schedule's multiplier (the figure the logs scale)."""
-        return next(g for g in self.opt.param_groups if g["name"] in ("weight", "filters"))["base_lr"]
+        return max(g["base_lr"] for g in self.opt.param_groups if g["name"] in ("weight", "filters"))
 
     @property
     def frozen_from(self) -> int | None:

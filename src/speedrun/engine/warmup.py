@@ -8,7 +8,7 @@ the same object and compiled program the run calls: forward, loss, mixing, disti
 backward over micro-batches, loss scaling, the optimizer and the weight averaging) at
 every image size the run uses, and evaluation at every batch size the test set is cut
 into, plain and with the recipe's test-time augmentation (the least-confident subsets
-included). The model's weights and statistics are put back afterwards.
+included), and plain at those of the validation split train.stop_at_target holds out. The model's weights and statistics are put back afterwards.
 """
 from __future__ import annotations
 
@@ -78,12 +78,16 @@ def warm_up(session) -> float:
         step.rewind()
 
     n_test = len(src.test_y)
-    for n in eval_batch_sizes(n_test, r.eval.batch_size, session.shard):
+    tested = eval_batch_sizes(n_test, r.eval.batch_size, session.shard)
+    # train.stop_at_target's validation split: evaluated plain, at the batch sizes it is cut into
+    held = eval_batch_sizes(session.holdout_images, r.eval.batch_size, session.shard) if session.holdout_images else []
+    for n in sorted({*tested, *held}):
         x = randn(n, c, *src.eval_size).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
         for _ in range(2 if rt.cuda_graphs else 1):       # (CUDA graphs record on the second call)
             evaluate(session.forward, [(x, y)], "none", rt)
-            evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction)
+            if n in tested:
+                evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction)
     rt.synchronize()
     model.load_state_dict(saved)
     model.train()

@@ -209,10 +209,10 @@ def init_weights(model: ResNet, cfg: ResNetConfig) -> None:
     starts as the identity followed by ReLU. The linear head keeps torch's default."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
-            if cfg.init == "kaiming":
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            else:
+            if cfg.init == "xavier":
                 nn.init.xavier_uniform_(m.weight)
+            else:                               # (weights to start from are loaded over it)
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
     if cfg.zero_gamma:
         for m in model.modules():
             if isinstance(m, (BasicBlock, Bottleneck)):

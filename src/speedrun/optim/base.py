@@ -62,15 +62,19 @@ class Optimizer:
 
     @torch.no_grad()
     def update(self, lr_mult: Number, momentum: Number | None = None, frozen: frozenset[str] = frozenset(),
-               frozen_now: Tensor | bool = False, grad_scale: Tensor | None = None) -> None:
+               frozen_now: Tensor | bool = False, grad_scale: Tensor | None = None,
+               head_only: Tensor | bool = False) -> None:
         """One step at the schedule's ``lr_mult`` (and ``momentum`` where the schedule sets it;
         a group's own otherwise), with the gradients multiplied by ``grad_scale`` where given
-        (fp16's inverse loss scale; the gradients themselves are left as they are). Nothing
+        (fp16's inverse loss scale; the gradients themselves are left as they are). Groups
+        marked ``held`` (fine-tuning's body) get LR 0 while ``head_only`` is true. Nothing
         here reads a value back from the device."""
         for group in self.param_groups:
             lr = group["base_lr"] * lr_mult
             if group["name"] in frozen:
-                lr = torch.where(frozen_now, 0.0, lr) if isinstance(frozen_now, Tensor) else (0.0 if frozen_now else lr)
+                lr = _held(lr, frozen_now)
+            if group.get("held"):
+                lr = _held(lr, head_only)
             self._group_step(group, lr, momentum if momentum is not None and self.scheduled_momentum(group)
                              else group.get("momentum"), grad_scale)
 
@@ -130,6 +134,11 @@ class Optimizer:
             torch._foreach_copy_(mine, [t.to(m.device) for m, t in zip(mine, saved["state"])])
         for g, lr in zip(self.param_groups, saved.get("lr", [])):
             g["lr"] = lr
+
+
+def _held(lr: Number, now: Tensor | bool) -> Number:
+    """``lr``, or 0 where ``now`` (a 0-d device tensor, or a bool) is true."""
+    return torch.where(now, 0.0, lr) if isinstance(now, Tensor) else (0.0 if now else lr)
 
 
 def scaled(tensors: list[Tensor], factor: Number) -> list[Tensor]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..models import PatchWhitening
-from ..recipe import OptimConfig
+from ..recipe import FinetuneConfig, OptimConfig
 from .base import SGD, Optimizer
 from .layerwise import LAMB, LARS
 from .orthogonal import OptimizerList, OrthogonalFilters
@@ -47,6 +47,59 @@ def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
+def blocks(model: nn.Module) -> dict[int, int]:
+    """Each trainable parameter's block, by ``id``: 0, 1, ... from the input to the classifier
+    (a top-level layer, or one block of a stage: a ``Sequential`` is opened where it holds
+    blocks of layers rather than single layers). Discriminative learning rates scale by it."""
+    def opens(m: nn.Module) -> bool:
+        return isinstance(m, nn.Sequential) and any(len(list(c.children())) for c in m.children())
+
+    found: dict[int, int] = {}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if opens(child):
+                visit(child)
+                continue
+            params = [p for p in child.parameters() if id(p) not in found]
+            if params:
+                index = len(set(found.values()))
+                found.update((id(p), index) for p in params)
+    visit(model)
+    rest = [p for p in model.parameters(recurse=False)]
+    if rest:
+        found.update((id(p), len(set(found.values()))) for p in rest)
+    return found
+
+
+def head_of(model: nn.Module) -> set[int]:
+    """The classifier's parameters (by ``id``): those of the model's last linear layer."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return {id(p) for p in linears[-1].parameters()} if linears else set()
+
+
+def finetune_split(model: nn.Module, roles: dict[str, list[nn.Parameter]], ft: FinetuneConfig,
+                   stand_ins: dict[int, torch.Tensor] | None = None) -> list[tuple[str, list, float, bool]]:
+    """``roles`` cut for fine-tuning: (role, parameters, LR multiplier of their block, held
+    during the head epochs) per role and block. The multiplier grows geometrically from
+    ``finetune.lr_first`` at the first block to 1 at the classifier; the classifier is never
+    held, the batch norms not with ``finetune.train_norm``."""
+    block, head = blocks(model), head_of(model)
+    last = max(block.values(), default=0)
+    back = {id(v): k for k, v in (stand_ins or {}).items()}        # a stand-in's parameter
+    out = []
+    for kind, params in roles.items():
+        by_block: dict[int, list] = {}
+        for p in params:
+            by_block.setdefault(block.get(back.get(id(p), id(p)), last), []).append(p)
+        for b, ps in sorted(by_block.items()):
+            is_head = all(back.get(id(p), id(p)) in head for p in ps)
+            mult = ft.lr_first ** ((last - b) / last) if last else 1.0
+            held = ft.head_epochs > 0 and not is_head and not (ft.train_norm and kind.startswith("norm_"))
+            out.append((kind, ps, mult, held))
+    return out
+
+
 def step_lr(cfg: OptimConfig, batch_size: int) -> float:
     """The per-step LR at schedule multiplier 1, before a group's LR multiplier."""
     ratio = batch_size / cfg.ref_batch
@@ -57,7 +110,8 @@ def step_lr(cfg: OptimConfig, batch_size: int) -> float:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
                     ns_dtype: torch.dtype | None = None,
-                    stand_ins: dict[int, torch.Tensor] | None = None) -> Optimizer | OptimizerList:
+                    stand_ins: dict[int, torch.Tensor] | None = None,
+                    finetune: FinetuneConfig | None = None) -> Optimizer | OptimizerList:
     """SGD, LARS or LAMB (by ``cfg.name``) with one group per parameter role.
 
     Each group carries ``name`` (its role), ``base_lr`` (its LR at schedule multiplier 1) and
@@ -76,11 +130,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
         roles["weight"] = [p for p in roles.get("weight", []) if p.ndim != 4]
         if not roles["weight"]:
             del roles["weight"]
-    for kind, params in roles.items():
-        lr_mult = mults.get(kind, 1.0)
+    tuned = finetune is not None and finetune.active
+    cut = finetune_split(model, roles, finetune, stand_ins) if tuned else \
+        [(kind, params, 1.0, False) for kind, params in roles.items()]
+    for kind, params, block_mult, held in cut:
+        lr_mult = mults.get(kind, 1.0) * block_mult
         one_d = kind != "weight"
         decay = 0.0 if (cfg.no_decay_bias_norm and one_d) else cfg.weight_decay
-        group = dict(params=params, name=kind, lr=lr * lr_mult, base_lr=lr * lr_mult, lr_mult=lr_mult)
+        group = dict(params=params, name=kind, lr=lr * lr_mult, base_lr=lr * lr_mult, lr_mult=lr_mult, held=held)
         if cfg.name == "sgd":
             group["weight_decay"] = decay / (cfg.lr * lr_mult) if lr_mult > 0 else 0.0
         else:
@@ -98,7 +155,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int,
     # It has its own field: resetting the norms every step (the records' choice) undoes any decay.
     decay_per_step = cfg.filter_weight_decay * lr / cfg.lr
     ortho = OrthogonalFilters([dict(params=filters, name="filters", lr=cfg.filter_lr, base_lr=cfg.filter_lr,
-                                    lr_mult=1.0)], cfg.filter_lr, momentum=cfg.filter_momentum,
+                                    lr_mult=1.0, held=tuned and finetune.head_epochs > 0)], cfg.filter_lr, momentum=cfg.filter_momentum,
                               nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, norm_every=cfg.filter_norm_every,
                               weight_decay=decay_per_step / cfg.filter_lr, ns_dtype=ns_dtype)
     return OptimizerList(main, ortho)

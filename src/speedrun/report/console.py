@@ -131,16 +131,29 @@ class LogLines:
 
     def epoch(self, rec) -> None:
         test = f" test acc {rec.test_acc:.4f}" if rec.test_acc is not None else ""
+        held = f" validation acc {rec.holdout_acc:.4f}" if rec.holdout_acc is not None else ""
         self.print(f"{self.title} epoch {self.epochs.label(rec.epoch)} done: loss {rec.train_loss:.4f} "
-                   f"train acc {rec.train_acc:.4f}{test} ({rec.seconds:.1f} s, {rec.seconds_total:.1f} s in all)")
+                   f"train acc {rec.train_acc:.4f}{held}{test} ({rec.seconds:.1f} s, {rec.seconds_total:.1f} s in all)")
         self.epoch_now, self.last_loss = min(rec.epoch + 1, self.epochs.count), rec.train_loss
 
     def final_evaluation(self, images: int, tta: str) -> None:
         views = "" if tta == "none" else f", {tta} TTA"
         self.print(f"{self.title} final evaluation: {images:,} test images{views}")
 
+    def target_reached(self, target) -> None:
+        self.print(f"{self.title} {target_reached_line(target)}")
+
     def final_evaluation_done(self, seconds: float) -> None:
         self.print(f"{self.title} final evaluation done in {seconds:.1f} s")
+
+
+def target_reached_line(target) -> str:
+    """'target 90.00% reached on the validation split at epoch 3 (step 120, 14.2 s): 91.20%; stopping'
+    (``target``: a run's :class:`~speedrun.engine.records.TargetStop`)."""
+    r = target.reached
+    return (f"target {target.target:.2%} reached on the validation split at epoch {r['epoch']} (step {r['step']}, "
+            f"{r['seconds']:.1f} s): {r['holdout_acc']:.2%}; stopping ({target.checks} check"
+            f"{'s' if target.checks != 1 else ''} of {target.holdout_images:,} images took {target.seconds:.2f} s)")
 
 
 class ProgressBar:
@@ -168,13 +181,17 @@ class ProgressBar:
 
     def epoch(self, rec) -> None:
         test = f" test {rec.test_acc:.4f}" if rec.test_acc is not None else ""
+        held = f" validation {rec.holdout_acc:.4f}" if rec.holdout_acc is not None else ""
         nxt = min(rec.epoch + 1, self.epochs.count)
         self.bar.update(self.task, description=f"{self.title} epoch {self.epochs.label(nxt)}",
-                        info=f"loss {rec.train_loss:.3f} train {rec.train_acc:.4f}{test}")
+                        info=f"loss {rec.train_loss:.3f} train {rec.train_acc:.4f}{held}{test}")
 
     def final_evaluation(self, images: int, tta: str) -> None:
         views = "" if tta == "none" else f", {tta} TTA"
         self.bar.update(self.task, description=f"{self.title} final evaluation ({images:,} test images{views})")
+
+    def target_reached(self, target) -> None:
+        self.print(f"{self.title} {target_reached_line(target)}")
 
     def final_evaluation_done(self, seconds: float) -> None:
         self.print(f"{self.title} final evaluation done in {seconds:.1f} s")

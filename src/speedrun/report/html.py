@@ -74,9 +74,20 @@ def run_report(folder: Path) -> Report:
         rep.facts += [("training FLOPs per image", f"{s['flops_per_train_image'] / 1e6:.1f} M"),
                       ("achieved FLOP/s", f"{_num(s['achieved_flops_per_s'], '.3g')}"),
                       ("utilisation", _pct(s.get("utilisation")))]
+    stop = s.get("stop_at_target")                      # train.stop_at_target: where it stopped, its checks' cost
+    if stop:
+        reached = stop["reached"]
+        rep.facts.append(("stop at target", (f"{_pct(reached['holdout_acc'])} on the validation split at epoch "
+                                             f"{reached['epoch']}, step {reached['step']}" if reached else
+                                             f"{_pct(stop['target'])} not reached on the validation split")
+                          + f" ({stop['checks']} checks of {stop['holdout_images']:,} images, "
+                            f"{stop['check_seconds']:.2f} s)"))
     rep.facts += _environment_facts(s)
-    rep.tables.append(("per epoch", ["epoch", "train loss", "train acc", "test acc (no TTA)", "lr", "seconds"],
-                       [[str(h["epoch"]), f"{h['train_loss']:.4f}", _pct(h["train_acc"]), _pct(h["test_acc"]),
+    held = any(h.get("holdout_acc") is not None for h in history)
+    rep.tables.append(("per epoch", ["epoch", "train loss", "train acc", *(["validation acc"] if held else []),
+                                     "test acc (no TTA)", "lr", "seconds"],
+                       [[str(h["epoch"]), f"{h['train_loss']:.4f}", _pct(h["train_acc"]),
+                         *([_pct(h.get("holdout_acc"))] if held else []), _pct(h["test_acc"]),
                          f"{h['lr']:.4g}", f"{h['seconds']:.2f}"] for h in history]))
     rep.figures.append(("curves", "training curves", plots.training_curves([history])))
     rep.figures.append(("schedule", "learning-rate schedule", _schedule_figure(config, s["steps"], s["epochs"])))

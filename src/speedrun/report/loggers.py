@@ -26,7 +26,7 @@ from .record import LOG_FILES, RunRecord
 KINDS = ("tensorboard", "csv")
 
 EPOCH_COLUMNS = ["epoch", "step", "train_loss", "train_acc", "test_acc", "test_acc_tta", "lr", "seconds",
-                 "seconds_total", "skipped_steps"]
+                 "seconds_total", "skipped_steps", "holdout_acc"]
 INSTALL = "pip install tensorboard (or pip install 'speedrun[tensorboard]')"
 
 
@@ -175,7 +175,9 @@ class MetricLogs:
         """One epoch's record (an :class:`~speedrun.engine.records.EpochRecord`), at the step it ended on."""
         if self.tb is not None:
             self.tb.scalars(self.step, {"epoch/train_loss": rec.train_loss, "epoch/train_acc": rec.train_acc,
-                                        "epoch/test_acc": rec.test_acc, "epoch/train_seconds": rec.seconds})
+                                        "epoch/test_acc": rec.test_acc, "epoch/train_seconds": rec.seconds,
+                                        **({"epoch/holdout_acc": rec.holdout_acc} if rec.holdout_acc is not None
+                                           else {})})
             self.tb.flush()
         if self.csv is not None:
             row = {k: vars(rec).get(k) for k in EPOCH_COLUMNS} | {"step": self.step}

@@ -17,7 +17,8 @@ from ..models import weight_grad
 from ..recipe import Recipe
 
 TRAIN_SECONDS_REGION = ("first touch of the training data on the device (channel statistics, whitening) to the "
-                        "final TTA accuracy, the device synchronised at both ends; excludes the move of an "
+                        "final TTA accuracy, the device synchronised at both ends (with train.stop_at_target, "
+                        "its checks on the validation split included); excludes the move of an "
                         "in-memory data set to the device (made just before, as a loader that holds it there "
                         "would), the warm-up (compile_seconds), monitoring evaluations (monitor_seconds) and "
                         "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
@@ -56,6 +57,7 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         "steps": result.steps,
         "batch_size": recipe.data.batch_size,
         "pass_images": result.pass_images,
+        "stop_at_target": result.target_stop.describe() if result.target_stop is not None else None,
         "newton_schulz_dtype": newton_schulz_dtype(recipe, session.runtime),
         "conv_weight_grad_choices": weight_grad.choices(),
         "train_seconds": result.train_seconds,
@@ -99,6 +101,17 @@ def target_line(target: dict, test_acc: float) -> str:
         return f"none set for {target['target_data']} (the recipe's is for {target['target_set_for']})"
     reached = "reached" if test_acc >= target["target"] else "not reached"
     return f"{target['target']:.2%} ({target['target_set_for']}), {reached}"
+
+
+def stop_at_target_line(target) -> str:
+    """train.stop_at_target in the final table: where the run stopped, or that it never did,
+    and what its checks cost (``target``: the run's :class:`~speedrun.engine.records.TargetStop`)."""
+    cost = (f"{target.checks} check{'s' if target.checks != 1 else ''} of {target.holdout_images:,} held-out "
+            f"images, {target.seconds:.2f} s")
+    r = target.reached
+    if r is None:
+        return f"{target.target:.2%} not reached on the validation split ({cost})"
+    return f"{r['holdout_acc']:.2%} on the validation split at epoch {r['epoch']}, step {r['step']} ({cost})"
 
 
 def skipped_images(result: RunResult, source) -> dict:

@@ -3,9 +3,11 @@
 Built-in sets and ``.npz`` arrays are loaded whole (uint8) and trained through the
 device-resident path; image folders are streamed from disk by worker processes (decode a
 folder once with ``speedrun data prepare`` to train it resident). Both pipelines offer the
-engine the same methods (``epoch``, ``test_batches``, ``whitening_sample``, ``n_train``,
-``image_size``, ``mean``/``std``, ``skipped``, ``crops_in_workers``), so it never asks
-which one it holds. Settings
+engine the same methods (``epoch``, ``test_batches``, ``holdout_batches``,
+``whitening_sample``, ``n_train``, ``image_size``, ``mean``/``std``, ``skipped``,
+``crops_in_workers``), so it never asks which one it holds. With ``train.stop_at_target`` a
+validation split is held out of the training images here, as the data is opened
+(:mod:`speedrun.data.sources.holdout`). Settings
 the recipe leaves to the data (``data.image_size = 0``, ``data.eval_crop = 0``) are chosen
 here from a sample of the images, and written back into the recipe so the run's
 ``config.toml`` records the values actually used.
@@ -23,7 +25,8 @@ from ...errors import DataError
 from ..sources.folder import ImageList, folder_splits, probe
 from ..sources.builtin import SPECS, ArrayDataset, load_dataset
 from ..sources.cache import open_cached, use_cache
-from ..sources.choices import choose, default_eval_crop, small_image_size
+from ..sources.holdout import hold_out_arrays, hold_out_images
+from ..sources.choices import choose, choose_finetune, default_eval_crop, small_image_size
 from .resident import ResidentData
 from .shard import Shard
 from .stream import StreamedData, default_workers, sample_stats, start_worker_server
@@ -42,6 +45,7 @@ class FolderSource:
     source: str
     eval_side: int = 0
     choices: list[str] = field(default_factory=list)
+    holdout: ImageList | None = None      # train.stop_at_target: training images held out, never trained on
 
     @property
     def eval_size(self) -> tuple[int, int]:
@@ -72,20 +76,27 @@ class FolderSource:
     def test_y(self):
         return self.val.labels
 
+    @property
+    def holdout_y(self):
+        return None if self.holdout is None else self.holdout.labels
+
 
 def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
-                      user: list[str] | None = None) -> tuple[Recipe, list[str]]:
+                      user: list[str] | None = None, start: dict | None = None) -> tuple[Recipe, list[str]]:
     """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
     recipe) the choices of :mod:`speedrun.data.sources.choices`, under the user's ``--set`` values
     (``user``), which are applied last, to the sections the data chose (the model's were held
     back until now: :func:`~speedrun.recipe.held_for_data`); else only the 'auto' sizes.
     Returns the recipe (as it will run: auto_choices off, every value filled in) and the
-    reasons to say."""
+    reasons to say. ``start``: what weights to start from tell of themselves (their [model]
+    section, the sizes they were trained and evaluated at, a line naming them): the folder
+    recipe then fine-tunes them (:func:`~speedrun.data.sources.choices.choose_finetune`)."""
     d, median = recipe.data, info["median_shorter_side"]
     if d.dataset != "folder":
         return recipe, []
     if d.auto_choices:
-        c = choose(median, n_train, n_classes, d.batch_size)
+        c = choose(median, n_train, n_classes, d.batch_size) if start is None else \
+            choose_finetune(start, median, n_train, n_classes, d.batch_size)
         raw = recipe.to_dict()
         for k, section in c.sections.items():
             if section is None:
@@ -124,9 +135,11 @@ def resolve_batch(recipe: Recipe) -> Recipe:
     return recipe.with_values({"data.batch_size": per * device_count(), "data.per_device_batch": 0})
 
 
-def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayDataset | FolderSource]:
+def open_source(recipe: Recipe, data_dir=None, say=None, start: dict | None = None
+                ) -> tuple[Recipe, ArrayDataset | FolderSource]:
     """(the recipe with data-derived values filled in, the dataset). The dataset's
-    ``choices`` say what was chosen from the data and why; ``say`` reports a cache being made."""
+    ``choices`` say what was chosen from the data and why; ``say`` reports a cache being made;
+    ``start``: weights to start from, as :func:`resolve_from_data` takes them."""
     if recipe.data.dataset == "imagenette":             # found or fetched, then an image folder
         from ..sources.imagenette import resolve_imagenette
         recipe = resolve_imagenette(recipe, data_dir)
@@ -142,7 +155,7 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
     if d.dataset == "folder":
         train, val = folder_splits(d.path, d.val_fraction, d.split_seed)
         info = probe(train)
-        recipe, reasons = resolve_from_data(recipe, info, len(train), len(train.classes), user)
+        recipe, reasons = resolve_from_data(recipe, info, len(train), len(train.classes), user, start)
         d, channels = recipe.data, info["channels"]
         evaluate = d.eval_size or d.image_size
         smallest = max(evaluate, d.image_size)
@@ -155,22 +168,32 @@ def open_source(recipe: Recipe, data_dir=None, say=None) -> tuple[Recipe, ArrayD
         if cached:                                  # stored at least as large as the training crops
             ds, ds.cache = open_cached(train, val, channels, stored, d, d.image_size, say or (lambda m: None),
                                        eval_size=smallest)
+            ds = _held_out(recipe, ds)
             ds.choices = reasons + [why]
             return recipe, ds
+        holdout = None
+        if recipe.train.stop_at_target:             # (before the statistics: held-out images are never seen)
+            train, holdout = hold_out_images(train, d.holdout, d.split_seed)
         workers = default_workers(d.workers) > 0
         if workers:
             start_worker_server()                   # (its imports overlap the sampling below)
         mean, std = sample_stats(train, channels, d.image_size, d.decoder)
         if workers:
             start_worker_server(wait=True)
-        src = FolderSource(train, val, channels, d.image_size, mean, std, str(d.path), evaluate)
+        src = FolderSource(train, val, channels, d.image_size, mean, std, str(d.path), evaluate, holdout=holdout)
         src.choices = reasons + [why] if reasons else []
         return recipe, src
     if d.dataset == "npz":
-        return recipe, load_npz(d.path)
+        return recipe, _held_out(recipe, load_npz(d.path))
     if d.dataset in SPECS:
-        return recipe, load_dataset(d.dataset, data_dir)
+        return recipe, _held_out(recipe, load_dataset(d.dataset, data_dir))
     raise DataError(f"unknown dataset {d.dataset!r}")
+
+
+def _held_out(recipe: Recipe, ds: ArrayDataset) -> ArrayDataset:
+    """``ds`` with its validation split held out of the training images (train.stop_at_target)."""
+    d = recipe.data
+    return hold_out_arrays(ds, d.holdout, d.split_seed) if recipe.train.stop_at_target else ds
 
 
 def place_source(source, runtime):

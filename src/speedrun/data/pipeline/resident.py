@@ -66,11 +66,16 @@ class ResidentData:
         batches from it (``augment.whole_epoch``)."""
         self.train = ds.train_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         self.test = ds.test_x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-        self.mean, self.std = channel_stats(self.train)
+        given = getattr(ds, "normalisation", None)           # (the mean and std starting weights were trained with)
+        self.mean, self.std = (given[0].to(device), given[1].to(device)) if given else channel_stats(self.train)
         self._scale = (1 / self.std)[:, None, None]
         self._shift = (-self.mean / self.std)[:, None, None]
         self.train_y = ds.train_y.to(device)
         self.test_y = ds.test_y.to(device)
+        held = getattr(ds, "holdout_x", None)          # train.stop_at_target's validation split
+        self.holdout = None if held is None else held.to(device, non_blocking=True).contiguous(
+            memory_format=memory_format)
+        self.holdout_y = None if held is None else ds.holdout_y.to(device)
         self.translate = translate
         self.image_size = ds.image_size                 # training size (random-resized crops)
         self.stored_size = tuple(self.train.shape[2:])
@@ -142,9 +147,19 @@ class ResidentData:
 
     def indexed_test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """test_batches with the test-set index of each image."""
-        for i in range(0, self.n_test, batch_size):
-            n = min(batch_size, self.n_test - i)
+        return self._evaluation_batches(self.test, self.test_y, batch_size)
+
+    def holdout_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The validation split held out of the training images (train.stop_at_target), batched
+        as the test set is; the test set is not read."""
+        for x, y, _ in self._evaluation_batches(self.holdout, self.holdout_y, batch_size):
+            yield x, y
+
+    def _evaluation_batches(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int):
+        n_images = images.shape[0]
+        for i in range(0, n_images, batch_size):
+            n = min(batch_size, n_images - i)
             mine = self.shard.eval_slice(n)
             part = slice(i + mine.start, i + mine.stop)
-            x = self.normalise(self.test[part])
-            yield x.contiguous(memory_format=self.memory_format), self.test_y[part], torch.arange(part.start, part.stop)
+            x = self.normalise(images[part])
+            yield x.contiguous(memory_format=self.memory_format), labels[part], torch.arange(part.start, part.stop)

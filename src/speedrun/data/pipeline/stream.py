@@ -287,6 +287,12 @@ class StreamedData:
                                         getattr(source, "eval_size", source.image_size)[0], shard)
         self.train_loader = DataLoader(self.train_items, batch_sampler=self.train_sampler, **self.common)
         self.val_loader = DataLoader(self.val_items, batch_sampler=self.val_sampler, **self.common)
+        self.holdout_loader = None                      # train.stop_at_target's validation split
+        if getattr(source, "holdout", None) is not None:
+            items = ImageItems(source.holdout, self.val_items.d)     # decoded as the test images are
+            sampler = EpochSampler(len(source.holdout), recipe.eval.batch_size, seed, False,
+                                   self.val_sampler.size, shard)
+            self.holdout_loader = DataLoader(items, batch_sampler=sampler, **self.common)
 
     @property
     def skipped(self) -> int:
@@ -326,10 +332,19 @@ class StreamedData:
         for x, y, _ in self.indexed_test_batches(batch_size):
             yield x, y
 
+    def holdout_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The validation split held out of the training images (train.stop_at_target), decoded
+        and batched as the test images are; the test images are not read."""
+        for x, y, _ in self._evaluation_batches(self.holdout_loader):
+            yield x, y
+
     def indexed_test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """test_batches with the validation-list index of each image (unreadable images skipped
         with data.skip_corrupt leave gaps)."""
-        for x_u8, y, idx, skipped in batches_of(self.val_loader, self.val_items.images.root):
+        return self._evaluation_batches(self.val_loader)
+
+    def _evaluation_batches(self, loader: DataLoader):
+        for x_u8, y, idx, skipped in batches_of(loader, loader.dataset.images.root):
             self._note(skipped)
             if isinstance(x_u8, Unreadable):
                 raise DataError(str(x_u8))

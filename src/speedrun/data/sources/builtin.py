@@ -68,6 +68,12 @@ class ArrayDataset:
     train_size: int = 0
     """Side of the training crops when it is not the stored side: a decoded folder is stored at
     its evaluation size and trained on smaller random-resized crops (0: the stored size)."""
+    holdout_x: torch.Tensor | None = None
+    """train.stop_at_target: the training images held out as the validation split (never trained
+    on), at the evaluation size; with ``holdout_y``, and ``holdout_index``, their positions in the
+    training set as it was read (see :mod:`speedrun.data.sources.holdout`)."""
+    holdout_y: torch.Tensor | None = None
+    holdout_index: torch.Tensor | None = None
 
     @property
     def num_classes(self) -> int:
@@ -92,9 +98,12 @@ class ArrayDataset:
         are not so already): the move a run makes before its clock starts, as a loader that
         holds the set on the device has made it before training."""
         move = lambda t: t.to(device, non_blocking=True)
+        held = {} if self.holdout_x is None else {
+            "holdout_x": move(self.holdout_x).contiguous(memory_format=memory_format),
+            "holdout_y": move(self.holdout_y)}
         return replace(self, train_x=move(self.train_x).contiguous(memory_format=memory_format),
                        test_x=move(self.test_x).contiguous(memory_format=memory_format),
-                       train_y=move(self.train_y), test_y=move(self.test_y))
+                       train_y=move(self.train_y), test_y=move(self.test_y), **held)
 
     @property
     def eval_size(self) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ...errors import DataError, RunFolderError
-from ...files import atomic_write_json, check_output_folder, disk_error
+from ...files import atomic_write_json, cache_root, check_output_folder, disk_error
 from .arrays import load_npz
 from .builtin import ArrayDataset
 from ..pipeline.resident import resize
@@ -33,16 +33,6 @@ from .folder import ImageList
 CACHE_VERSION = 1
 MEMORY_SHARE = 0.5
 """auto: the cache is used when it takes at most this share of the machine's memory."""
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("SPEEDRUN_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "speedrun"
 
 
 DECODED_INSTEAD = ("set data.cache_dir or $SPEEDRUN_CACHE to a folder on another disk, or data.cache=off to "

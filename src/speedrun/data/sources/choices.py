@@ -32,6 +32,10 @@ PHOTO_RECIPE = "imagenette"
 """The shipped recipe whose model, augmentation, optimizer, schedule and training sections
 photos get."""
 PHOTO_SECTIONS = ("augment", "model", "optim", "schedule", "averaging", "train", "eval")
+FINETUNE_RECIPE = "finetune"
+"""The shipped recipe whose optimizer, schedule, averaging, training and fine-tuning sections a
+folder gets with weights to start from."""
+FINETUNE_SECTIONS = ("optim", "schedule", "averaging", "train", "finetune")
 PHOTO_DATA_FIELDS = ("batch_size", "progressive", "cache")
 MIN_STEPS_PER_EPOCH = 4
 MIN_BATCH = 16
@@ -71,9 +75,13 @@ def small_folder_batch(n_train: int, batch: int) -> int:
     return max(1, min(batch, n_train))
 
 
-def photo_recipe() -> dict:
-    text = (resources.files("speedrun") / "recipes" / f"{PHOTO_RECIPE}.toml").read_text(encoding="utf-8")
+def shipped(name: str) -> dict:
+    text = (resources.files("speedrun") / "recipes" / f"{name}.toml").read_text(encoding="utf-8")
     return tomllib.loads(text)
+
+
+def photo_recipe() -> dict:
+    return shipped(PHOTO_RECIPE)
 
 
 def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> Choices:
@@ -111,3 +119,28 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
     c.reasons.append(f"{n_classes} classes")
     return c
 
+
+
+def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int, batch_size: int) -> Choices:
+    """The folder recipe's choices for weights to start from (``start``: their [model] section
+    as ``model``, the sides they were trained and evaluated at as ``image_size`` and
+    ``eval_size`` where known, a line naming them as ``description``): the data's own choices
+    of augmentation and evaluation (:func:`choose`), the network of the weights, the
+    fine-tuning recipe's optimizer, schedule and training, and the weights' sizes."""
+    c = choose(median_side, n_train, n_classes, batch_size)
+    preset = shipped(FINETUNE_RECIPE)
+    c.sections.update({k: preset.get(k) for k in FINETUNE_SECTIONS})
+    c.sections["model"] = start["model"]
+    c.values.pop("data.progressive", None)
+    trained, evaluated = start.get("image_size"), start.get("eval_size")
+    if trained:
+        c.values["data.image_size"] = trained
+        if "data.eval_size" in c.values:
+            c.values["data.eval_size"] = max(trained, evaluated or trained)
+    if median_side < PHOTO_SIDE:
+        c.sections["augment"] = preset.get("augment")
+        c.values["data.eval_crop"] = default_eval_crop(c.values["data.image_size"])
+    sizes = (f"at {trained} px, as the weights were trained" if trained else "at the data's size")
+    c.reasons.insert(0, f"fine-tuning {start['description']} {sizes} (the {FINETUNE_RECIPE} recipe's schedule: "
+                     f"the classifier alone for {preset['finetune']['head_epochs']} epochs, then the whole network)")
+    return c

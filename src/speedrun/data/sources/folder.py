@@ -122,17 +122,24 @@ def annotated(folder: Path, classes: list[str]) -> ImageList:
     return ImageList(folder, classes, files, np.asarray(labels, dtype=np.int64))
 
 
+def split_indices(labels: np.ndarray, classes: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) positions, each sorted: a stratified, seeded split that holds out
+    ``fraction`` of each class's images (at least one of a class with two or more)."""
+    rng = np.random.default_rng(seed)
+    kept, held = [], []
+    for label in range(classes):
+        idx = np.flatnonzero(labels == label)
+        rng.shuffle(idx)
+        n_held = max(1, round(len(idx) * fraction)) if len(idx) > 1 else 0
+        held.append(idx[:n_held])
+        kept.append(idx[n_held:])
+    return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held))
+
+
 def split(images: ImageList, val_fraction: float, seed: int) -> tuple[ImageList, ImageList]:
     """Stratified split: ``val_fraction`` of each class (at least one image) to validation."""
-    rng = np.random.default_rng(seed)
-    train_idx, val_idx = [], []
-    for label in range(len(images.classes)):
-        idx = np.flatnonzero(images.labels == label)
-        rng.shuffle(idx)
-        n_val = max(1, round(len(idx) * val_fraction)) if len(idx) > 1 else 0
-        val_idx.append(idx[:n_val])
-        train_idx.append(idx[n_val:])
-    return images.subset(np.sort(np.concatenate(train_idx))), images.subset(np.sort(np.concatenate(val_idx)))
+    kept, held = split_indices(images.labels, len(images.classes), val_fraction, seed)
+    return images.subset(kept), images.subset(held)
 
 
 # ------------------------------------------------------------------------------------------
