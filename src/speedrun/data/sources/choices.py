@@ -127,8 +127,10 @@ def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int,
     ``eval_size`` where known, a line naming them as ``description``): the data's own choices
     of augmentation and evaluation (:func:`choose`), the network of the weights, the
     fine-tuning recipe's optimizer, schedule and training, and the weights' sizes."""
-    c = choose(median_side, n_train, n_classes, batch_size)
     preset = shipped(FINETUNE_RECIPE)
+    c = choose(median_side, n_train, n_classes, preset["data"]["batch_size"])   # (photos: the photo recipe's)
+    if median_side < PHOTO_SIDE and "data.batch_size" not in c.values:
+        c.values["data.batch_size"] = preset["data"]["batch_size"]
     c.sections.update({k: preset.get(k) for k in FINETUNE_SECTIONS})
     c.sections["model"] = start["model"]
     c.values.pop("data.progressive", None)
