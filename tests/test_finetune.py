@@ -155,3 +155,25 @@ def test_two_processes_hold_and_train_the_same_weights_as_one(pretrained, fashio
     moved = relative_difference(before, weights(tmp_path / "one"))
     assert moved > 1e-3                                   # (after the head epoch, the network trained)
     assert math.isfinite(moved)
+
+
+def test_the_folder_recipe_fine_tunes_given_weights_and_the_run_is_used_as_any_other(pretrained, fashion_jpeg,
+                                                                                       tmp_path):
+    """`speedrun train folder --set model.init=RUN` on a folder of grey JPEGs: the network of the
+    weights, the fine-tuning recipe's choices, said at start; `speedrun evaluate` reproduces the
+    run's accuracy and `speedrun predict` classifies its images, as for any run."""
+    out = tmp_path / "tuned"
+    proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--set", f"model.init={pretrained}",
+                    "--set", "train.epochs=1", "--set", "data.workers=1", "--device", "cpu", "--out", out)
+    assert "from the data: fine-tuning speedrun run" in proc.stdout
+    assert "inputs normalised as the weights were trained" in proc.stdout
+    config = load_recipe(str(out / "config.toml"))
+    assert config.model.widths == [16, 32, 32] and config.model.init == str(pretrained)
+    assert config.finetune.head_epochs == 0.5 and config.data.batch_size == 128
+    assert json.loads((out / "preprocessing.json").read_text())["mean"] == \
+        json.loads((pretrained / "preprocessing.json").read_text())["mean"]
+    speedrun("evaluate", out, "--device", "cpu")
+    assert json.loads((out / "evaluation.json").read_text())["matches_record"] is True
+    images = sorted((fashion_jpeg / "val").glob("*/*.jpg"))[:4]
+    predicted = json.loads(speedrun("predict", out, *images, "--format", "json", "--device", "cpu").stdout)
+    assert predicted["skipped"] == [] and len(predicted["predictions"]) == 4
