@@ -159,11 +159,11 @@ def test_two_processes_hold_and_train_the_same_weights_as_one(pretrained, fashio
 
 def test_the_folder_recipe_fine_tunes_given_weights_and_the_run_is_used_as_any_other(pretrained, fashion_jpeg,
                                                                                        tmp_path):
-    """`speedrun train folder --set model.init=RUN` on a folder of grey JPEGs: the network of the
+    """`speedrun train folder --init RUN` (model.init) on a folder of grey JPEGs: the network of the
     weights, the fine-tuning recipe's choices, said at start; `speedrun evaluate` reproduces the
     run's accuracy and `speedrun predict` classifies its images, as for any run."""
     out = tmp_path / "tuned"
-    proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--set", f"model.init={pretrained}",
+    proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--init", pretrained,
                     "--set", "train.epochs=1", "--set", "data.workers=1", "--device", "cpu", "--out", out)
     assert "from the data: fine-tuning speedrun run" in proc.stdout
     assert "inputs normalised as the weights were trained" in proc.stdout

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -76,6 +77,8 @@ def _recipe_options(p, out_help: str, optional: bool = False, log: bool = True) 
     p.add_argument("--data-dir", help="folder holding the dataset (else $SPEEDRUN_DATA, ~/.cache/speedrun)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--seed", type=int, help="seed (train.seed); bench and ablate use seed, seed+1, ...")
+    p.add_argument("--init", metavar="WEIGHTS", help="weights to start from and fine-tune (model.init): a speedrun run "
+                   "folder, a .pt/.pth/.safetensors ResNet file, torchvision:NAME.WEIGHTS or timm:NAME")
     if out_help:
         p.add_argument("--out", type=Path, help=out_help)
     if log:
@@ -204,16 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = _add(sub, "data")
     dsub = data.add_subparsers(dest="data_command", required=True)
-    p = dsub.add_parser("prepare", help="decode an image folder once into a fixed-size uint8 .npz (memory-mapped)")
+    p = dsub.add_parser("prepare", help="decode an image folder once into a fixed-size uint8 .npz (memory-mapped), "
+                        "or with --reduce write it again as smaller JPEGs (a reduced store)")
     p.add_argument("src", help="image folder (train/ and val/, or one folder to split)")
-    p.add_argument("--size", type=_int_range(8, 4096), required=True, help="side of the square images, in pixels")
-    p.add_argument("--out", type=Path, required=True, help="the .npz file to write")
+    p.add_argument("--size", type=_int_range(8, 4096), help="side of the square images, in pixels (the .npz)")
+    p.add_argument("--out", type=Path, required=True, help="the .npz file to write, or with --reduce the new folder")
+    p.add_argument("--reduce", action="store_true", help="write a reduced store instead: the folder in its own "
+                   "layout, each image a JPEG whose longer side is at most --max-side (train on it as on any folder)")
+    p.add_argument("--max-side", type=int, metavar="PX", help="with --reduce: the longest side kept, in pixels "
+                   "(16 to 4096, e.g. 320); smaller JPEGs are copied as they are")
+    p.add_argument("--quality", type=int, metavar="Q", help="with --reduce: JPEG quality of re-encoded images, "
+                   "1 to 100 (default 90)")
     p.add_argument("--val-fraction", type=_fraction, default=None, help="held-out fraction when there is no val/")
     p.add_argument("--seed", type=_int_range(0, 2**63 - 1), default=0, help="seed of that split")
     p.add_argument("--workers", type=_int_range(-1, 256), default=-1, help="decoding processes (default: one per core, at most 8)")
     p.add_argument("--skip-corrupt", action="store_true", help="skip unreadable images instead of stopping")
-    p.add_argument("--decoder", choices=["auto", "pillow", "simplejpeg", "torchvision"], default="auto",
-                   help="as data.decoder; torchvision decodes JPEGs in batches on the GPU (nvjpeg) when there "
+    p.add_argument("--decoder", choices=["auto", "pillow", "simplejpeg", "torchvision"],
+                   help="as data.decoder (default auto); torchvision decodes JPEGs in batches on the GPU (nvjpeg) when there "
                         "is one, else on the CPU, instead of in --workers processes")
     p = dsub.add_parser("export", help="write a built-in dataset as train/<class>/ and val/<class>/ images")
     p.add_argument("dataset", choices=["cifar10", "cifar100", "fashion-mnist"])
@@ -388,16 +398,27 @@ def dispatch(args) -> int:
         args.log_every = LogEvery.parse(args.log_every)
     if getattr(args, "find_batch", False):          # train's --find-batch is runtime.find_batch
         args.overrides.append("runtime.find_batch=true")
+    if getattr(args, "init", None):                 # --init is model.init (a TOML string, whatever it holds)
+        args.overrides.append(f"model.init={json.dumps(args.init)}")
     return COMMANDS[args.command].load()(args)
 
 
 def data_command(args) -> int:
     from .data.prepare import export, prepare
     from .report.console import print_table
+    if args.data_command == "prepare" and args.reduce:
+        return reduce_command(args)
     if args.data_command == "prepare":
         from .data.sources.skipped import skipped_line
+        if args.size is None:
+            raise UsageError("data prepare: give --size S (the side of the .npz's square images), or --reduce "
+                             "--max-side PX for a reduced store")
+        given = [o for o, v in (("--max-side", args.max_side), ("--quality", args.quality)) if v is not None]
+        if given:
+            raise UsageError(f"data prepare: {' and '.join(given)} go with --reduce (a reduced store); the .npz "
+                             "takes --size")
         out = prepare(args.src, args.size, args.out, args.val_fraction or 0.0, args.seed, args.workers,
-                      args.skip_corrupt, args.decoder)
+                      args.skip_corrupt, args.decoder or "auto")
         skipped = out.pop("skipped_files")
         print_table(f"prepared {args.src}", [(k, str(v)) for k, v in out.items()])
         if out["skipped"]:
@@ -407,6 +428,32 @@ def data_command(args) -> int:
                      size=args.size, layout=args.layout)
         print_table(f"exported {args.dataset}", [(k, str(v) if k != "classes" else str(len(v)))
                                                   for k, v in out.items()])
+    return 0
+
+
+def reduce_command(args) -> int:
+    """``data prepare --reduce``: the reduced store, and what it holds."""
+    from .data.reduced_store import MANIFEST, reduce_store
+    from .data.sources.skipped import skipped_line
+    from .report.console import print_table
+    given = [o for o, v in (("--size", args.size), ("--val-fraction", args.val_fraction),
+                            ("--decoder", args.decoder)) if v is not None]
+    if given:
+        raise UsageError(f"data prepare --reduce: {' and '.join(given)} are for the .npz; a reduced store keeps "
+                         "each image's shape and every file (the split is made when training reads it)")
+    if args.max_side is None:
+        raise UsageError("data prepare --reduce: give --max-side PX, the longest side the stored images may have "
+                         "(e.g. 320)")
+    out = reduce_store(args.src, args.out, args.max_side, 90 if args.quality is None else args.quality,
+                       args.workers, args.skip_corrupt)
+    rows = [("out", str(args.out)), ("max side", str(out["max_side"])), ("quality", str(out["quality"])),
+            *((f"{split} images", str(sum(c.values()))) for split, c in out["counts"].items()),
+            ("classes", str(len(next(iter(out["counts"].values()))))),
+            *((k, str(out[k])) for k in ("copied", "resized", "re-encoded", "skipped")), ("manifest", MANIFEST)]
+    print_table(f"reduced {args.src}", rows)
+    if out["skipped"]:
+        files = {f["path"]: f["reason"] for f in out["skipped_files"]}
+        print(f"speedrun: {skipped_line(files, out['skipped'], args.out / MANIFEST)}")
     return 0
 
 
