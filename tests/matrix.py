@@ -62,6 +62,12 @@ SPEEDNET_SHORTER = ["data.batch_size=64", "train.epochs=2"]
 SPEEDNET_NARROWER = SPEEDNET_SHORTER + ["model.widths=[8,16,16]"]
 # imagenette: the 224 px files decoded once (at 40 px here) into a cache, random-resized crops of
 # 32 px cut from it on the device, evaluated at 40 px
+# finetune: the speed net of the teacher run (cifar10-94 on CIFAR-10's first 1,024 images) fine-tuned
+# on the CIFAR-10 JPEG folder, with a target it cannot reach checked every other epoch on a fifth
+# of the training images held out (so it trains the whole run), the batch norms held in the head
+# epoch
+FINETUNE = ["data.workers=1", "eval.batch_size=256", "train.epochs=3", "train.stop_at_target=true", "target=0.99",
+            "data.holdout=0.2", "train.stop_check_every=2", "finetune.train_norm=false"]
 IMAGENETTE = ["model.width=16", "eval.batch_size=128", "data.workers=1", "data.image_size=32", "data.eval_size=40",
               "data.batch_size=32", "train.epochs=4", "optim.lr=4.0", "data.cache_dir={tmp}/cache"]
 
@@ -97,12 +103,15 @@ def bar(classes: int, images: int) -> float:
 def command(entry: Entry, data: Path, out: Path, seed: int | None = None,
             teacher: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The `speedrun` arguments that train ``entry`` on ``data`` into ``out`` (``seed``: in place
-    of the recipe's; ``teacher``: the model distilled from, for entries that take one), and the
+    of the recipe's; ``teacher``: the model distilled from, or started from, for entries that
+    take one), and the
     environment its compile backend needs."""
     sets = [s.replace("{tmp}", str(out.parent)) for s in entry.sets] + [f"runtime.precision={entry.precision}",
                                f"runtime.compile={'off' if entry.backend is None else 'on'}"]
     if "teacher" in entry.args:
         sets.append(f"distill.teacher={teacher}")
+    if "init" in entry.args:                   # (the same run's weights to start from)
+        sets.append(f"model.init={teacher}")
     if entry.data == "jpeg32_train":
         sets.append(f"data.path={data}")
         location = []
@@ -155,7 +164,7 @@ def step_features(recipe) -> set[str]:
               "prune" * (d.prune > 0), "distill" * (recipe.distill.teacher is not None),
               "streamed" if d.dataset in ("folder", "imagenette") else "resident", f"cache={d.cache}",
               f"low_res={a.low_res}" * (d.progressive is not None), "whole_epoch" * a.whole_epoch,
-              f"cast={recipe.runtime.cast}"]
+              f"cast={recipe.runtime.cast}", "finetune" * recipe.finetune.active]
     return {p for p in parts if p and not p.endswith("=none")}
 
 
@@ -188,6 +197,7 @@ MATRIX: list[Entry] = [
     *_shared("fashion-mnist", "fashion_small", NPZ + SPEEDNET, compiled_by="cifar10-94"),
     *_both("folder", "jpeg32", FOLDER, shorter=["train.epochs=2"], bf16_data="fashion_jpeg"),
     *_fp32("folder", "npz32", NPZ + FOLDER),
+    *_both("finetune", "jpeg32", FINETUNE, shorter=["train.epochs=2"], args=("init",)),
     *_both("imagenet-resnet50", "imagenet224", IMAGENET + ["checkpoint.every_steps=2"], subprocess=True,
            expect_files=("checkpoint.pt",)),
     *_fp32("imagenet-resnet50", "tiny_npz32", NPZ + IMAGENET),

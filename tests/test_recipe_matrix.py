@@ -58,7 +58,7 @@ def teacher(tmp_path_factory, cifar_small):
 
 
 def _train(entry: Entry, data, out, monkeypatch, request) -> None:
-    teacher = request.getfixturevalue("teacher") if "teacher" in entry.args else None
+    teacher = request.getfixturevalue("teacher") if {"teacher", "init"} & set(entry.args) else None
     argv, env = command(entry, data, out, teacher=teacher)
     if entry.cache_reuse:
         return _train_twice(argv, out, env)
@@ -206,7 +206,8 @@ def test_every_recipe_field_is_set_away_from_its_default_by_some_run():
     defaults = _defaults()
     exercised, seen = set(), {}
     for e in MATRIX + FIELDS:
-        sets = list(e.sets) + (["distill.teacher=x"] if "teacher" in e.args else [])
+        sets = list(e.sets) + (["distill.teacher=x"] if "teacher" in e.args else []) + \
+            (["model.init=x"] if "init" in e.args else [])
         if e.data == "jpeg32_train":
             sets.append("data.path=x")
         values = _flatten(load_recipe(e.recipe, sets).to_dict())

@@ -447,7 +447,8 @@ def reduce_command(args) -> int:
     out = reduce_store(args.src, args.out, args.max_side, 90 if args.quality is None else args.quality,
                        args.workers, args.skip_corrupt)
     rows = [("out", str(args.out)), ("max side", str(out["max_side"])), ("quality", str(out["quality"])),
-            *((f"{split} images", str(sum(c.values()))) for split, c in out["counts"].items()),
+            *((f"{split} images" if split != "." else "images", str(sum(c.values())))
+              for split, c in out["counts"].items()),
             ("classes", str(len(next(iter(out["counts"].values()))))),
             *((k, str(out[k])) for k in ("copied", "resized", "re-encoded", "skipped")), ("manifest", MANIFEST)]
     print_table(f"reduced {args.src}", rows)
