@@ -161,7 +161,8 @@ def test_the_folder_recipe_fine_tunes_given_weights_and_the_run_is_used_as_any_o
                                                                                        tmp_path):
     """`speedrun train folder --init RUN` (model.init) on a folder of grey JPEGs: the network of the
     weights, the fine-tuning recipe's choices, said at start; `speedrun evaluate` reproduces the
-    run's accuracy and `speedrun predict` classifies its images, as for any run."""
+    run's accuracy, `speedrun predict` classifies its images and `speedrun export` writes a
+    TorchScript model checked against it, as for any run."""
     out = tmp_path / "tuned"
     proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--init", pretrained,
                     "--set", "train.epochs=1", "--set", "data.workers=1", "--device", "cpu", "--out", out)
@@ -177,3 +178,5 @@ def test_the_folder_recipe_fine_tunes_given_weights_and_the_run_is_used_as_any_o
     images = sorted((fashion_jpeg / "val").glob("*/*.jpg"))[:4]
     predicted = json.loads(speedrun("predict", out, *images, "--format", "json", "--device", "cpu").stdout)
     assert predicted["skipped"] == [] and len(predicted["predictions"]) == 4
+    exported = speedrun("export", out, "--format", "torchscript")
+    assert "vs PyTorch" in exported.stdout and exported.stderr == "", exported.stdout + exported.stderr

@@ -142,6 +142,8 @@ def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int,
     if median_side < PHOTO_SIDE:
         c.sections["augment"] = preset.get("augment")
         c.sections["eval"] = preset.get("eval")
+        # (the network is the weights', not the speed net the data alone would have chosen)
+        c.reasons = [r.split(": the speed net at")[0] if r.startswith("small images") else r for r in c.reasons]
         c.values["data.eval_crop"] = default_eval_crop(c.values["data.image_size"])
     sizes = (f"at {trained} px, as the weights were trained" if trained else "at the data's size")
     c.reasons.insert(0, f"fine-tuning {start['description']} {sizes} (the {FINETUNE_RECIPE} recipe's schedule: "
