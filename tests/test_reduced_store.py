@@ -164,9 +164,9 @@ def test_refusals_are_one_line_and_leave_the_disk_as_it_was(tmp_path, jpeg32, cl
 
 
 def test_an_interrupted_store_leaves_nothing(tmp_path, imagenet224):
-    src = tmp_path / "src"                          # the photos four times over (hard links: no copies)
-    for f in imagenet224.rglob("*.jpg"):
-        for k in range(4):
+    src = tmp_path / "src"          # the photos 16 times over (hard links: no copies), so that the store
+    for f in imagenet224.rglob("*.jpg"):            # is still being written when the signal comes, however busy
+        for k in range(16):                         # the machine (it is stopped early: the size costs nothing)
             dest = src / f.relative_to(imagenet224).parent / f"{k}-{f.name}"
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.link(f, dest)
@@ -174,9 +174,13 @@ def test_an_interrupted_store_leaves_nothing(tmp_path, imagenet224):
     proc = subprocess.Popen([sys.executable, "-m", "speedrun", "data", "prepare", str(src), "--out",
                              str(tmp_path / "store"), "--reduce", "--max-side", "32", "--workers", "1"],
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not [p for p in tmp_path.iterdir() if p.name.startswith(".store-")] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+
+    def writing() -> bool:                          # a staged image written: the store is under way
+        return any(f.is_file() for d in tmp_path.glob(".store-*") for f in d.rglob("*.jpg"))
+    while not writing() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert proc.poll() is None, "the store was finished before it could be interrupted"
     proc.send_signal(signal.SIGINT)                 # Ctrl-C while the store is being written
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130 and "interrupted" in err, err
