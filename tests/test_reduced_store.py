@@ -163,6 +163,13 @@ def test_refusals_are_one_line_and_leave_the_disk_as_it_was(tmp_path, jpeg32, cl
     assert_unchanged(tmp_path, before)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT's default disposition in the child: a test run that a shell started in the background
+    (`cmd &`) ignores SIGINT, and a process started from it inherits that (Python then never raises
+    KeyboardInterrupt, and the store is written to the end)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_an_interrupted_store_leaves_nothing(tmp_path, imagenet224):
     src = tmp_path / "src"          # the photos 16 times over (hard links: no copies), so that the store
     for f in imagenet224.rglob("*.jpg"):            # is still being written when the signal comes, however busy
@@ -173,7 +180,7 @@ def test_an_interrupted_store_leaves_nothing(tmp_path, imagenet224):
     before = snapshot(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "speedrun", "data", "prepare", str(src), "--out",
                              str(tmp_path / "store"), "--reduce", "--max-side", "32", "--workers", "1"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + 120
 
     def writing() -> bool:                          # a staged image written: the store is under way
