@@ -19,7 +19,8 @@ from pydantic import TypeAdapter
 from speedrun.errors import CheckpointError
 from speedrun.models import build_model
 from speedrun.models import published_weights as published
-from speedrun.models.pretrained import apply_weights, is_weights_source, open_weights
+from speedrun.models.pretrained import apply_weights, open_weights
+from speedrun.recipe import init_is_weights
 from speedrun.recipe import ModelConfig, ResNetConfig
 from small_data import speedrun
 
@@ -101,8 +102,8 @@ def listing(folder):
 # ------------------------------------------------------------------------------------------
 
 def test_schemes_are_not_weights():
-    assert not any(is_weights_source(s) for s in ("kaiming", "xavier", "default"))
-    assert all(is_weights_source(s) for s in ("runs/a", "w.pth", "timm:resnet50.a1_in1k", "torchvision:resnet18"))
+    assert not any(init_is_weights(s) for s in ("kaiming", "xavier", "default"))
+    assert all(init_is_weights(s) for s in ("runs/a", "w.pth", "timm:resnet50.a1_in1k", "torchvision:resnet18"))
 
 
 @pytest.mark.parametrize("depth, variant, suffix, wrap", [

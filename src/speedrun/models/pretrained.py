@@ -59,11 +59,6 @@ class Pretrained:
     eval_size: int | None
 
 
-def is_weights_source(init: str) -> bool:
-    """Whether ``model.init`` names weights to start from, not a scheme (kaiming, xavier, default)."""
-    return init not in SCHEMES
-
-
 def open_weights(spec: str, cache_dir: str | Path | None = None) -> Pretrained:
     """The weights ``spec`` names (see :data:`SOURCES`), read and converted to speedrun's
     layout. ``torchvision:`` files are fetched into ``cache_dir``/weights (default

@@ -96,7 +96,7 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
         return recipe, []
     if d.auto_choices:
         c = choose(median, n_train, n_classes, d.batch_size) if start is None else \
-            choose_finetune(start, median, n_train, n_classes, d.batch_size)
+            choose_finetune(start, median, n_train, n_classes)
         raw = recipe.to_dict()
         for k, section in c.sections.items():
             if section is None:

@@ -121,12 +121,12 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
 
 
 
-def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int, batch_size: int) -> Choices:
+def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int) -> Choices:
     """The folder recipe's choices for weights to start from (``start``: their [model] section
     as ``model``, the sides they were trained and evaluated at as ``image_size`` and
     ``eval_size`` where known, a line naming them as ``description``): the data's own choices
     of augmentation and evaluation (:func:`choose`), the network of the weights, the
-    fine-tuning recipe's optimizer, schedule and training, and the weights' sizes."""
+    fine-tuning recipe's optimizer, schedule, training and batch, and the weights' sizes."""
     preset = shipped(FINETUNE_RECIPE)
     c = choose(median_side, n_train, n_classes, preset["data"]["batch_size"])   # (photos: the photo recipe's)
     if median_side < PHOTO_SIDE and "data.batch_size" not in c.values:
