@@ -137,3 +137,81 @@ def test_nvjpeg_on_the_gpu_decodes_what_the_cpu_decodes(photos):
     assert gpu.device.type == "cuda" and bool(kept.all())
     mean, worst = differences(gpu.cpu(), cpu)
     assert mean < 1 and worst < 3, (mean, worst)
+    # streamed lists: pinned bytes in, pinned squares out, handed on one list behind
+    from speedrun.data.sources.device_decode import SquareDecoder
+    lists = list(SquareDecoder(32, 3, "cuda").stream(paths, 16))
+    streamed = torch.cat([x for _, x, _ in lists])
+    assert all(x.is_pinned() for _, x, _ in lists) and torch.equal(streamed, gpu.cpu())
+
+
+@pytest.fixture(scope="module")
+def mixed_files(photos, tmp_path_factory):
+    """The photos' training files plus progressive JPEGs and PNGs made from some of them: every
+    kind of file the reading threads hand on (baseline JPEG bytes, host-decoded images)."""
+    train, _ = folder_splits(photos, 0.0, 0)
+    paths = [train.path(i) for i in range(len(train))]
+    extra = tmp_path_factory.mktemp("mixed")
+    for i, p in enumerate([p for p in paths if p.suffix == ".jpg"][:6]):
+        with Image.open(p) as im:
+            im.save(extra / f"progressive-{i}.jpg", quality=90, progressive=True)
+    return paths + sorted(extra.glob("*.jpg"))
+
+
+@needs_torchvision
+def test_lists_decoded_in_overlapped_batches_equal_each_file_decoded_alone(mixed_files):
+    """The batched decoder (files read by threads, one decode call per list, images of one shape
+    resized together, lists handed on one behind) gives, file for file and in order, exactly
+    the square the per-image path gives (one decode call, one image resized): equal on the CPU,
+    where both run the same libjpeg-turbo and the same float32 products."""
+    from speedrun.data.sources.device_decode import SquareDecoder, decode_one
+    assert len({tuple(Image.open(p).size) for p in mixed_files}) >= 5
+    for channels, size, per_list in ((3, 40, 16), (1, 64, 7), (3, 64, 1000)):
+        decoder = SquareDecoder(size, channels, "cpu", threads=3)
+        lists = list(decoder.stream(mixed_files, per_list))
+        assert [start for start, _, _ in lists] == list(range(0, len(mixed_files), per_list))
+        assert all(bool(kept.all()) for _, _, kept in lists)
+        batched = torch.cat([x for _, x, _ in lists])
+        alone = torch.stack([decode_one(p, size, channels) for p in mixed_files])
+        assert batched.shape == (len(mixed_files), channels, size, size)
+        assert torch.equal(batched, alone), (channels, size, (batched.int() - alone.int()).abs().max())
+
+
+@needs_torchvision
+def test_progressive_jpegs_are_decoded_on_the_host_as_torchvision_decodes_them(mixed_files):
+    """A progressive JPEG goes to the host threads (nvJPEG decodes those one at a time): the
+    header says so, and Pillow's accurate-DCT libjpeg gives what torchvision's decoder gives."""
+    import warnings
+    from torchvision import io as tvio
+    from speedrun.data.sources.device_decode import _check_header, _read
+    progressive = [p for p in mixed_files if p.name.startswith("progressive")]
+    baseline = [p for p in mixed_files if p.suffix == ".jpg" and not p.name.startswith("progressive")]
+    assert progressive and baseline
+    assert not any(_check_header(p.read_bytes(), p) for p in baseline)
+    for p in progressive:
+        assert _check_header(p.read_bytes(), p)
+        r = _read(p, 3)
+        assert r.jpeg is None and r.error is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            theirs = tvio.decode_jpeg(tvio.read_file(str(p)), mode=tvio.ImageReadMode.RGB)
+        assert r.image.shape == theirs.shape
+        assert (r.image.float() - theirs.float()).abs().mean() < 1
+
+
+@needs_torchvision
+def test_a_corrupt_file_in_a_later_list_is_named_or_skipped_in_place(mixed_files, tmp_path):
+    """Streamed lists keep their files' places when one is skipped, and an unreadable file
+    stops the stream with its name; the reading threads are stopped with it."""
+    from speedrun.data.sources.device_decode import SquareDecoder
+    data = mixed_files[0].read_bytes()
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(data[:len(data) // 2])
+    files = mixed_files[:20] + [truncated] + mixed_files[20:30]
+    with pytest.raises(DataError, match=r"truncated\.jpg: cannot decode this image"):
+        list(SquareDecoder(32, 3, "cpu").stream(files, 8))
+    lists = list(SquareDecoder(32, 3, "cpu", skip_corrupt=True).stream(files, 8))
+    kept = torch.cat([k for _, _, k in lists])
+    assert kept.tolist() == [True] * 20 + [False] + [True] * 10
+    x = torch.cat([x for _, x, _ in lists])
+    clean = torch.cat([x for _, x, _ in SquareDecoder(32, 3, "cpu").stream(files[:20] + files[21:], 8)])
+    assert not x[20].any() and torch.equal(x[kept], clean)

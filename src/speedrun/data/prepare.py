@@ -131,17 +131,16 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
 
 def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt: bool, label: str,
                       device: torch.device, arr: np.ndarray, kept: np.ndarray) -> None:
-    """The torchvision decoder: batches of files decoded and resized on ``device``."""
-    from .sources.device_decode import decode_to_square
+    """The torchvision decoder: lists of files decoded and resized on ``device``, the next list
+    read while one decodes (:class:`.device_decode.SquareDecoder`)."""
+    from .sources.device_decode import SquareDecoder
+    decoder = SquareDecoder(size, channels, device, skip_corrupt)
     with progress_bar() as bar:
         task = bar.add_task(f"decoding {label} on {device.type}", total=len(images))
-        for start in range(0, len(images), DEVICE_BATCH):
-            stop = min(start + DEVICE_BATCH, len(images))
-            x, ok = decode_to_square([images.path(i) for i in range(start, stop)], size, channels, device,
-                                     skip_corrupt)
-            arr[start:stop] = x.cpu().numpy()
-            kept[start:stop] = ok.numpy()
-            bar.advance(task, stop - start)
+        for start, x, ok in decoder.stream([images.path(i) for i in range(len(images))], DEVICE_BATCH):
+            arr[start:start + len(x)] = x.numpy()
+            kept[start:start + len(x)] = ok.numpy()
+            bar.advance(task, len(x))
 
 
 def _store(arr, kept, skipped, i, x) -> None:

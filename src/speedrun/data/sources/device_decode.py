@@ -1,23 +1,40 @@
 """Decoding image files on the device with torchvision: nvjpeg on a CUDA GPU, libjpeg-turbo
-on the CPU, through the same calls (``speedrun data prepare --decoder torchvision``).
+on the CPU, through the same calls (``data.decoder = "torchvision"``, ``speedrun data prepare
+--decoder torchvision``).
 
-The files are read on the host. JPEGs are decoded by one batched ``torchvision.io.decode_jpeg``
-call onto the device; every other format is decoded on the host by the default Pillow path
-(``folder.decode``: torchvision reads neither BMP, TIFF nor PPM, and returns 16-bit PNGs as
-uint16), then moved. Each image is then brought to size x size on the device: its centre
-square (the whole shorter side) resampled with Pillow's antialiased bilinear filter in float32
-(separable weight matrices, ``filter_weights``) and rounded back to uint8, which is the
-geometry and filter of the streamed pipeline's centre crop with crop fraction 1.0
-(``ImageItems._resize_centre``). One difference remains: JPEGs are decoded at full size, where
-that path lets libjpeg down-scale them in the DCT domain first.
+:class:`SquareDecoder` turns lists of files into size x size uint8 squares on the device:
+
+* A pool of host threads reads the files of the next list while the device decodes the current
+  one, checks each JPEG's header (its size against the pixel limit, before the decoder
+  allocates it), and decodes on the host what nvJPEG's batched path does not take: every
+  format other than JPEG (by the default Pillow path, ``folder.decode``: torchvision reads
+  neither BMP, TIFF nor PPM, and returns 16-bit PNGs as uint16) and progressive JPEGs (which
+  nvJPEG decodes one at a time, its Huffman stage on the calling host thread, under a lock
+  that serialises every other decode). On a GPU the list's bytes sit in one pinned buffer.
+* The baseline JPEGs of a list are decoded by one ``torchvision.io.decode_jpeg`` call.
+* Each image is brought to size x size on the device: its centre square (the whole shorter
+  side) resampled with Pillow's antialiased bilinear filter in float32 (separable weight
+  matrices, :func:`filter_weights`, built on the device once per side length and kept) and
+  rounded back to uint8, which is the geometry and filter of the streamed pipeline's centre
+  crop with crop fraction 1.0 (``ImageItems._resize_centre``). Images of one shape are
+  resized by one pair of matrix products; nothing in the resize waits on the host.
+* :meth:`SquareDecoder.stream` copies each list's squares to pinned host memory without
+  waiting and hands them over one list later, so reading, decoding and copying overlap.
+
+One difference from the streamed pipeline remains: JPEGs are decoded at full size, where that
+path lets libjpeg down-scale them in the DCT domain first.
 """
 from __future__ import annotations
 
 import io
+import os
 import re
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -27,6 +44,15 @@ from .folder import MAX_PIXELS, _open, _too_large, corrupt_error, decode, read_b
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 _DEPRECATION = r"The image decoding and encoding capabilities of TorchVision are deprecated"
+
+LIST = 256
+"""Files per list (one batched decode call)."""
+
+THREADS = 8
+"""Host threads that read files (at most; fewer on a host with fewer cores)."""
+
+GROUP = 64
+"""Images of one shape resized in one call (float32 copies: 64 x 3 x 500 x 375 is 144 MB)."""
 
 
 def torchvision_io():
@@ -45,58 +71,182 @@ def torchvision_io():
     return tvio
 
 
-def decode_to_square(paths: list[Path], size: int, channels: int, device: torch.device | str,
-                     skip_corrupt: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 images N x channels x size x size on ``device``, bool kept-mask on the CPU).
-
-    An unreadable file raises a DataError naming it; with ``skip_corrupt`` its row is left
-    zero and marked not kept."""
-    tvio = torchvision_io()
-    device = torch.device(device)
-    n = len(paths)
-    out = torch.zeros((n, channels, size, size), dtype=torch.uint8, device=device)
-    kept = torch.ones(n, dtype=torch.bool)
-    images: dict[int, torch.Tensor] = {}            # index -> uint8 C x H x W on the device
-    jpegs: list[tuple[int, torch.Tensor]] = []      # index -> the file's bytes (host)
-
-    def failed(i: int, err: DataError) -> None:
-        if not skip_corrupt:
-            raise err
-        kept[i] = False
-
-    for i, path in enumerate(paths):
-        try:
-            data = read_bytes(path)
-            if data.startswith(JPEG_MAGIC):
-                _check_header(data, path)
-                jpegs.append((i, torch.frombuffer(bytearray(data), dtype=torch.uint8)))
-            else:
-                img = torch.tensor(decode(data, path, channels))         # a copy: Pillow's array is read-only
-                images[i] = img.permute(2, 0, 1).to(device)
-        except DataError as err:
-            failed(i, err)
-    mode = tvio.ImageReadMode.RGB if channels == 3 else tvio.ImageReadMode.GRAY
-    for i, img in _decode_jpegs(tvio, jpegs, mode, device):
-        if isinstance(img, Exception):
-            failed(i, corrupt_error(paths[i], img))
-        else:
-            images[i] = img
-    _squares_into(out, images, size)
-    return out, kept
+@dataclass
+class _Read:
+    """One file as a reading thread leaves it: a baseline JPEG's bytes for the device decoder,
+    an image the host decoded (C x H x W uint8), or why it cannot be decoded."""
+    jpeg: torch.Tensor | None = None
+    image: torch.Tensor | None = None
+    error: DataError | None = None
 
 
-def _check_header(data: bytes, path: Path) -> None:
-    """Refuse an image whose header is unreadable or claims more pixels than the limit,
-    before the decoder allocates it (on a GPU, a bomb would run it out of memory)."""
+def _read(path: Path, channels: int) -> _Read:
+    try:
+        data = read_bytes(path)
+        if data.startswith(JPEG_MAGIC) and not _check_header(data, path):
+            return _Read(jpeg=torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        # other formats and progressive JPEGs; Pillow's libjpeg with the accurate DCT, as torchvision's
+        img = torch.tensor(decode(data, path, channels, decoder="pillow"))   # a copy: Pillow's array is read-only
+        return _Read(image=img.permute(2, 0, 1))
+    except DataError as err:
+        return _Read(error=err)
+
+
+def _check_header(data: bytes, path: Path) -> bool:
+    """Whether the JPEG is progressive; refuses one whose header is unreadable or claims more
+    pixels than the limit, before the decoder allocates it (on a GPU, a bomb would run it out
+    of memory)."""
     try:
         with _open(io.BytesIO(data)) as im:
             w, h = im.size
+            progressive = bool(im.info.get("progressive") or im.info.get("progression"))
     except Image.DecompressionBombError:
         raise _too_large(path) from None
     except (OSError, ValueError, UnidentifiedImageError, SyntaxError, EOFError) as err:
         raise corrupt_error(path, err) from None
     if h * w > MAX_PIXELS:
         raise _too_large(path, h, w)
+    return progressive
+
+
+class SquareDecoder:
+    """Image files to uint8 squares (channels x size x size) on ``device``. An unreadable file
+    raises a DataError naming it; with ``skip_corrupt`` its square is left zero and marked not
+    kept."""
+
+    def __init__(self, size: int, channels: int, device: torch.device | str, skip_corrupt: bool = False,
+                 threads: int | None = None):
+        self.tvio = torchvision_io()
+        self.size, self.channels, self.skip_corrupt = size, channels, skip_corrupt
+        self.device = torch.device(device)
+        self.threads = threads or max(1, min(THREADS, os.cpu_count() or 1))
+        self.pinned = self.device.type == "cuda"
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}
+        self.mode = self.tvio.ImageReadMode.RGB if channels == 3 else self.tvio.ImageReadMode.GRAY
+
+    def __call__(self, paths: Sequence[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squares N x channels x size x size on the device, bool kept-mask on the CPU) of one list."""
+        with ThreadPoolExecutor(self.threads) as pool:
+            return self._squares(paths, list(pool.map(self._read, paths)))
+
+    def stream(self, paths: Sequence[Path], per_list: int = LIST) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first index, squares on the host, kept mask) for each list of ``per_list`` files, in
+        order: the next list's files are read while this one decodes, and each list's squares
+        are copied to the host while the next one decodes."""
+        starts = list(range(0, len(paths), per_list))
+        pool = ThreadPoolExecutor(self.threads)
+        try:
+            def submit(start):
+                return [pool.submit(self._read, p) for p in paths[start:start + per_list]]
+            reading = submit(starts[0]) if starts else []
+            waiting = None
+            for k, start in enumerate(starts):
+                reads = [f.result() for f in reading]
+                if k + 1 < len(starts):
+                    reading = submit(starts[k + 1])
+                squares, kept = self._squares(paths[start:start + per_list], reads)
+                host, done = self._to_host(squares)
+                if waiting is not None:
+                    yield self._ready(*waiting)
+                waiting = (start, host, kept, done)
+            if waiting is not None:
+                yield self._ready(*waiting)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, path: Path) -> _Read:
+        return _read(path, self.channels)
+
+    def _to_host(self, squares: torch.Tensor):
+        if self.device.type != "cuda":
+            return squares.cpu(), None
+        host = torch.empty(squares.shape, dtype=squares.dtype, pin_memory=True)
+        host.copy_(squares, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    @staticmethod
+    def _ready(start, host, kept, done):
+        if done is not None:
+            done.synchronize()
+        return start, host, kept
+
+    def _squares(self, paths: Sequence[Path], reads: list[_Read]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(paths)
+        kept = torch.ones(n, dtype=torch.bool)
+        images: dict[int, torch.Tensor] = {}            # index -> uint8 C x H x W on the device
+        jpegs: list[tuple[int, torch.Tensor]] = []      # index -> the file's bytes (host)
+        for i, r in enumerate(reads):
+            if r.error is not None:
+                self._failed(kept, i, r.error)
+            elif r.jpeg is not None:
+                jpegs.append((i, r.jpeg))
+            else:
+                images[i] = r.image.to(self.device, non_blocking=True)
+        for i, img in _decode_jpegs(self.tvio, self._pin(jpegs), self.mode, self.device):
+            if isinstance(img, Exception):
+                self._failed(kept, i, corrupt_error(paths[i], img))
+            else:
+                images[i] = img
+        out = torch.zeros((n, self.channels, self.size, self.size), dtype=torch.uint8, device=self.device)
+        _squares_into(out, images, self.size, self._weights_for)
+        return out, kept
+
+    def _failed(self, kept: torch.Tensor, i: int, err: DataError) -> None:
+        if not self.skip_corrupt:
+            raise err
+        kept[i] = False
+
+    def _pin(self, jpegs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """The list's bytes in one pinned buffer (a GPU's decoder copies them from there without
+        staging), each file a view of it."""
+        if not self.pinned or not jpegs:
+            return jpegs
+        buffer = torch.empty(sum(len(d) for _, d in jpegs), dtype=torch.uint8, pin_memory=True)
+        views, at = [], 0
+        for i, d in jpegs:
+            buffer[at:at + len(d)].copy_(d)
+            views.append((i, buffer[at:at + len(d)]))
+            at += len(d)
+        return views
+
+    def _weights_for(self, length: int, side: int) -> torch.Tensor:
+        key = (length, side)
+        if key not in self._weights:
+            self._weights[key] = filter_weights(length, (length - side) / 2, side, self.size, self.device)
+        return self._weights[key]
+
+
+def decode_to_square(paths: list[Path], size: int, channels: int, device: torch.device | str,
+                     skip_corrupt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 images N x channels x size x size on ``device``, bool kept-mask on the CPU) of the
+    files ``paths``, as one list (:class:`SquareDecoder`)."""
+    return SquareDecoder(size, channels, device, skip_corrupt)(paths)
+
+
+def decode_one(path: Path, size: int, channels: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One file alone to its channels x size x size square: the per-image path (one decode
+    call, the resize of one image) that :class:`SquareDecoder`'s lists must match."""
+    tvio = torchvision_io()
+    device = torch.device(device)
+    r = _read(path, channels)
+    if r.error is not None:
+        raise r.error
+    if r.jpeg is not None:
+        mode = tvio.ImageReadMode.RGB if channels == 3 else tvio.ImageReadMode.GRAY
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATION, category=DeprecationWarning)
+            try:
+                img = tvio.decode_jpeg(r.jpeg, mode=mode, device=device)
+            except RuntimeError as err:
+                raise corrupt_error(path, RuntimeError(_reason(err))) from None
+    else:
+        img = r.image.to(device)
+    out = torch.zeros((1, channels, size, size), dtype=torch.uint8, device=device)
+    _squares_into(out, {0: img}, size,
+                  lambda length, side: filter_weights(length, (length - side) / 2, side, size, device))
+    return out[0]
 
 
 def _decode_jpegs(tvio, jpegs, mode, device):
@@ -131,26 +281,35 @@ def _reason(err: Exception) -> str:
     return re.sub(r"^[\w:]+, \S+\.(?:cpp|cu|h):\d+, ", "", first)
 
 
-def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int) -> None:
+def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int, weights=None) -> None:
     """Each image's centre square (the whole shorter side) resized to size x size into ``out``;
-    images of the same shape are resized together, at most ``GROUP`` at a time."""
+    images of the same shape are resized together, at most ``GROUP`` at a time, into a list in
+    shape order that one indexed copy puts in place. ``weights(length, side)``: the filter
+    matrix of an axis (default: :func:`filter_weights`, built each time)."""
+    if not images:
+        return
+    if weights is None:
+        weights = lambda length, side: filter_weights(length, (length - side) / 2, side, size, out.device)  # noqa: E731
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, img in images.items():
         groups[tuple(img.shape[1:])].append(i)
+    order = [i for members in groups.values() for i in members]
+    resized = torch.empty((len(order), *out.shape[1:]), dtype=torch.uint8, device=out.device)
+    at = 0
     for (h, w), members in groups.items():
         side = min(h, w)
-        wy = filter_weights(h, (h - side) / 2, side, size, out.device)
-        wx = filter_weights(w, (w - side) / 2, side, size, out.device)
+        wy, wx = weights(h, side), weights(w, side)
         for start in range(0, len(members), GROUP):
             chunk = members[start:start + GROUP]
             x = torch.stack([images[i] for i in chunk])
             if not h == w == size:                  # already the size: no resampling
                 x = (wy @ (x.float() @ wx.T)).round_().clamp_(0, 255).to(torch.uint8)
-            out[torch.tensor(chunk, device=out.device)] = x
-
-
-GROUP = 64
-"""Images resized in one call (float32 copies: 64 x 3 x 500 x 375 is 144 MB)."""
+            resized[at:at + len(chunk)] = x
+            at += len(chunk)
+    index = torch.tensor(order)
+    if out.device.type == "cuda":
+        index = index.pin_memory().to(out.device, non_blocking=True)
+    out.index_copy_(0, index.to(out.device), resized)
 
 
 def filter_weights(length: int, start: float, side: float, size: int, device: torch.device) -> torch.Tensor:
@@ -158,10 +317,11 @@ def filter_weights(length: int, start: float, side: float, size: int, device: to
     ``length`` pixels to ``size`` pixels with Pillow's antialiased bilinear filter (a triangle
     as wide as the down-scaling factor, normalised; pixels beside the span take part as in
     Pillow's box resize). As matrices, unlike ``F.interpolate``, the span may start on a half
-    pixel: the centre square of an image whose sides differ by an odd number of pixels does."""
+    pixel: the centre square of an image whose sides differ by an odd number of pixels does.
+    Built on ``device`` (no copy from the host)."""
     scale = side / size
     support = max(scale, 1.0)
-    centre = start + (torch.arange(size, dtype=torch.float64) + 0.5) * scale
-    k = torch.arange(length, dtype=torch.float64) + 0.5
+    centre = start + (torch.arange(size, dtype=torch.float64, device=device) + 0.5) * scale
+    k = torch.arange(length, dtype=torch.float64, device=device) + 0.5
     weights = (1 - ((k[None, :] - centre[:, None]) / support).abs()).clamp_(min=0)
-    return (weights / weights.sum(dim=1, keepdim=True)).to(device, torch.float32)
+    return (weights / weights.sum(dim=1, keepdim=True)).to(torch.float32)

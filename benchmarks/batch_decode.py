@@ -1,0 +1,169 @@
+"""Images per second the decode-once path (``data.decoder = "torchvision"``: torchvision's
+``decode_jpeg`` on lists of files, nvJPEG on a CUDA GPU, libjpeg-turbo on the CPU) turns a folder
+of photo-sized JPEGs into square training images, and where its time goes.
+
+Two measurements on one folder of photo-like JPEGs whose shapes vary as ImageNet's do (most
+500 x 375 or 375 x 500, the rest of sides drawn between 240 and 640 px; colour fields plus noise,
+about 100 kB each at quality 90, written by ``throughput.write_photo``):
+
+* ``whole``: ``speedrun.data.prepare.prepare(..., decoder="torchvision", device=DEVICE)``, the
+  call training makes on a cache miss (files read, decoded, resized to SIZE, written to an
+  ``.npz``), timed end to end, ``--rounds`` times.
+* ``phases``: the same steps one at a time on one host thread, each over every file, so their
+  sum is what a path that never overlaps them pays: reading the files, checking each JPEG's
+  header on the host, the batched decode (lists of ``--batch``), the resize to SIZE on the
+  device (with the number of distinct image shapes per list, which sets how many resize calls
+  a list needs), each with a device synchronisation at its end.
+
+    .venv-2.14/bin/python benchmarks/batch_decode.py --work /tmp/batch-decode [--device cuda] \\
+        [--images 1000] [--out benchmarks/results/batch-decode-DEVICE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speedrun.data.prepare import prepare
+from speedrun.data.sources import device_decode as dd
+from speedrun.data.sources.folder import folder_splits, read_bytes
+from speedrun.errors import SpeedrunError
+from speedrun.files import atomic_write_json, check_output_file
+from speedrun.report.environment import machine
+from throughput import write_photo
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(width, height) of ``n`` photos: 60% 500 x 375, 20% 375 x 500, 20% drawn from 240-640 px."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        out.append((500, 375) if u < 0.6 else (375, 500) if u < 0.8
+                   else (int(rng.integers(240, 641)), int(rng.integers(240, 641))))
+    return out
+
+
+def photo_folder(root: Path, n: int) -> Path:
+    """``n`` training photos (and a tenth as many for validation) in ten classes, made once."""
+    if root.exists():
+        return root
+    tmp = root.with_name(f".{root.name}")
+    for split, count, offset in (("train", n, 0), ("val", max(1, n // 10), 10 ** 6)):
+        for i, (w, h) in enumerate(shapes(count, offset)):
+            folder = tmp / split / f"c{i % 10}"
+            folder.mkdir(parents=True, exist_ok=True)
+            write_photo(str(folder / f"{i:05d}.jpg"), offset + i, w, h, 90)
+    os.replace(tmp, root)
+    return root
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def phases(paths: list[Path], size: int, batch: int, device: torch.device) -> dict:
+    """Seconds of each step over all files, one step at a time, on one host thread."""
+    import warnings
+    tvio = dd.torchvision_io()
+    t = {"read": 0.0, "header": 0.0, "decode": 0.0, "resize": 0.0}
+    groups = []
+    for start in range(0, len(paths), batch):
+        chunk = paths[start:start + batch]
+        t0 = time.perf_counter()
+        data = [read_bytes(p) for p in chunk]
+        t1 = time.perf_counter()
+        for d, p in zip(data, chunk):
+            dd._check_header(d, p)
+        t2 = time.perf_counter()
+        encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            images = tvio.decode_jpeg(encoded, mode=tvio.ImageReadMode.RGB, device=device)
+        sync(device)
+        t3 = time.perf_counter()
+        out = torch.zeros((len(chunk), 3, size, size), dtype=torch.uint8, device=device)
+        dd._squares_into(out, dict(enumerate(images)), size)
+        sync(device)
+        t4 = time.perf_counter()
+        groups.append(len({tuple(x.shape) for x in images}))
+        for key, seconds in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            t[key] += seconds
+    n = len(paths)
+    return {"seconds": t, "microseconds_per_image": {k: 1e6 * v / n for k, v in t.items()},
+            "images_per_s_if_serial": n / sum(t.values()), "distinct_shapes_per_list": groups}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, required=True, help="folder for the photos and the outputs")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--images", type=int, default=1000, help="training photos (default 1000)")
+    p.add_argument("--size", type=int, default=160, help="side of the decoded squares (default 160)")
+    p.add_argument("--batch", type=int, default=256, help="files per decode call in the phases (default 256)")
+    p.add_argument("--rounds", type=int, default=3, help="timed whole passes (default 3)")
+    p.add_argument("--label", default="", help="a word for what code this is (kept in the record)")
+    p.add_argument("--out", type=Path, help="the record (default: results/batch-decode-DEVICE.json)")
+    args = p.parse_args()
+    env = machine()
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{env['cpu_model']} {env['cpu_family_model']}"
+    slug = re.sub(r"[^a-z0-9]+", "-", where.lower()).strip("-")
+    out = args.out or RESULTS / f"batch-decode-{slug}.json"
+    try:
+        check_output_file(out)
+        folder = photo_folder(args.work / f"photos-{args.images}", args.images)
+        train, val = folder_splits(folder, 0.0, 0)
+        paths = [train.path(i) for i in range(len(train))]
+        files = len(train) + len(val)
+        sizes = [pth.stat().st_size for pth in paths]
+        prepare(folder, args.size, args.work / "warm.npz", decoder="torchvision", device=device)    # imports, nvJPEG set-up
+        os.remove(args.work / "warm.npz")
+        whole = []
+        for r in range(args.rounds):
+            target = args.work / f"round-{r}.npz"
+            sync(device)
+            t0 = time.perf_counter()
+            prepare(folder, args.size, target, decoder="torchvision", device=device)
+            sync(device)
+            whole.append(files / (time.perf_counter() - t0))
+            os.remove(target)
+            print(f"whole pass {r}: {whole[-1]:,.0f} images/s", flush=True)
+        split = phases(paths, args.size, args.batch, device)
+        print("phases, microseconds per image: " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                             split["microseconds_per_image"].items()), flush=True)
+        record = {"benchmark": "batched decode (decode-once path)", "what": __doc__.split("\n\n")[0],
+                  "label": args.label, "device": where, "threads": torch.get_num_threads(),
+                  "host_cores": os.cpu_count(),
+                  "photos": {"train": len(train), "val": len(val), "mean_bytes": statistics.mean(sizes),
+                             "shapes": "60% 500x375, 20% 375x500, 20% sides drawn from 240-640 px",
+                             "content": "photo-like (colour fields plus noise), JPEG quality 90"},
+                  "size": args.size,
+                  "timed": {"whole": f"prepare() over {files} files to {args.size} px squares in an .npz, end to end "
+                                     "(device synchronised), after one untimed pass",
+                            "phases": f"each step over the {len(paths)} training files, in lists of {args.batch}, "
+                                      "one step at a time on one host thread, the device synchronised after each"},
+                  "whole_images_per_s": whole, "median_whole_images_per_s": statistics.median(whole),
+                  "phases": split, "torch_version": torch.__version__,
+                  "torchvision_version": __import__("torchvision").__version__,
+                  "commit": env.get("commit"), "machine": env}
+        atomic_write_json(out, record)
+        print(f"median whole pass: {record['median_whole_images_per_s']:,.0f} images/s; wrote {out}")
+        return 0
+    except SpeedrunError as err:
+        print(f"batch_decode.py: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
