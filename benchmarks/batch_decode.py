@@ -4,7 +4,7 @@ of photo-sized JPEGs into square training images, and where its time goes.
 
 Two measurements on one folder of photo-like JPEGs whose shapes vary as ImageNet's do (most
 500 x 375 or 375 x 500, the rest of sides drawn between 240 and 640 px; colour fields plus noise,
-about 100 kB each at quality 90, written by ``throughput.write_photo``):
+about 100 kB each at quality 90, written by ``throughput.photo_folder``):
 
 * ``whole``: ``speedrun.data.prepare.prepare(..., decoder="torchvision", device=DEVICE)``, the
   call training makes on a cache miss (files read, decoded, resized to SIZE, written to an
@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ from speedrun.data.sources.folder import folder_splits, read_bytes
 from speedrun.errors import SpeedrunError
 from speedrun.files import atomic_write_json, check_output_file
 from speedrun.report.environment import machine
-from throughput import write_photo
+import throughput
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -54,16 +56,14 @@ def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
 
 
 def photo_folder(root: Path, n: int) -> Path:
-    """``n`` training photos (and a tenth as many for validation) in ten classes, made once."""
-    if root.exists():
-        return root
-    tmp = root.with_name(f".{root.name}")
-    for split, count, offset in (("train", n, 0), ("val", max(1, n // 10), 10 ** 6)):
-        for i, (w, h) in enumerate(shapes(count, offset)):
-            folder = tmp / split / f"c{i % 10}"
-            folder.mkdir(parents=True, exist_ok=True)
-            write_photo(str(folder / f"{i:05d}.jpg"), offset + i, w, h, 90)
-    os.replace(tmp, root)
+    """``n`` training photos (and a tenth as many for validation, at least one a class) in ten
+    classes, made once, by ``throughput.photo_folder`` (a forked writer per core)."""
+    if not root.exists():
+        tmp = root.with_name(f".{root.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        spec = SimpleNamespace(classes=10, val_per_class=max(1, n // 100), sizes=shapes(n), quality=90)
+        throughput.photo_folder(tmp, spec, max(1, n // 10))
+        os.replace(tmp, root)
     return root
 
 

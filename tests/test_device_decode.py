@@ -215,3 +215,31 @@ def test_a_corrupt_file_in_a_later_list_is_named_or_skipped_in_place(mixed_files
     x = torch.cat([x for _, x, _ in lists])
     clean = torch.cat([x for _, x, _ in SquareDecoder(32, 3, "cpu").stream(files[:20] + files[21:], 8)])
     assert not x[20].any() and torch.equal(x[kept], clean)
+
+
+@needs_torchvision
+def test_the_batch_decode_benchmark_times_whole_passes_and_each_phase(tmp_path):
+    """benchmarks/batch_decode.py on 20 photos: a complete record naming the device, the code and
+    where the time goes (the phases cover every training file; a list's distinct shapes counted)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "record.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "batch_decode.py"), "--work", str(tmp_path / "w"),
+                           "--images", "20", "--size", "48", "--batch", "8", "--rounds", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["photos"]["train"] == 20 and record["photos"]["val"] == 10 and record["size"] == 48
+    assert record["photos"]["mean_bytes"] > 5000            # photo-like, not flat colour
+    assert len(record["whole_images_per_s"]) == 2 and record["median_whole_images_per_s"] > 0
+    phases = record["phases"]
+    assert set(phases["seconds"]) == {"read", "header", "decode", "resize"} and all(
+        s > 0 for s in phases["seconds"].values())
+    assert len(phases["distinct_shapes_per_list"]) == 3 and max(phases["distinct_shapes_per_list"]) >= 2
+    assert record["torch_version"] == torch.__version__ and record["device"] and record["machine"]["cpu_model"]
+    rc = subprocess.run([sys.executable, str(root / "benchmarks" / "batch_decode.py"), "--work", str(tmp_path / "w"),
+                         "--images", "20", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert rc.returncode == 1 and "batch_decode.py:" in rc.stderr and "Traceback" not in rc.stderr   # kept record
