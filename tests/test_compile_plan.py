@@ -29,13 +29,14 @@ def test_the_start_line_counts_the_shapes_and_weighs_the_estimate_against_the_st
 
 
 def test_the_plan_counts_the_progressive_sizes_and_evaluation_batches(cifar_small):
-    """cifar10-94-cpu trains at 24, 28 and 32 px; 256 test images in batches of 200 are two
-    evaluation shapes. Said at start when the run compiles, not when it runs eager."""
+    """cifar10-94-cpu trains at 24, 28 and 32 px; 256 test images in batches of 200 are one
+    evaluation shape, the short last batch padded to 200. Said at start when the run compiles,
+    not when it runs eager."""
     recipe = load_recipe("cifar10-94-cpu", ["data.dataset=npz", "runtime.compile=on", "runtime.precision=fp32",
                                             "eval.batch_size=200", "data.batch_size=256"])
     plan = plan_run(recipe, cifar_small, torch.device("cpu"), fit_batch=False)
     shapes = compile_plan(plan.recipe, plan.source, plan.runtime)
-    assert shapes.train_sides == (24, 28, 32) and shapes.eval_batches == (56, 200)
+    assert shapes.train_sides == (24, 28, 32) and shapes.eval_batches == (200,)
     # inductor on a CPU specializes the sizes: one graph each
     assert not shapes.shared and shapes.train_graphs == 3
     assert any(line.startswith("compiling the training step at 3 image sizes (24, 28, 32 px)") for line in plan.choices)
@@ -65,7 +66,7 @@ def test_progressive_sizes_share_one_compiled_step(cifar_small, monkeypatch):
     each side is a constant of the graph, one more graph a side. The shared graph trains as
     eager does (same losses, within float reordering), beyond chance, and never recompiles."""
     base = ["data.dataset=npz", "runtime.compile=on", "runtime.precision=fp32", "model.widths=[8,16,16]",
-            "data.batch_size=256", "eval.batch_size=200", "train.epochs=4", "eval.tta=none"]
+            "data.batch_size=256", "eval.batch_size=200", "train.epochs=6", "eval.tta=none"]
     progressive, session = _graphs_of(load_recipe("cifar10-94-cpu", base), cifar_small, monkeypatch)
     assert session.image_sides == [24, 28, 32] and session.step.dynamic_sides
     compiled = session.run(seed=0)
@@ -95,3 +96,44 @@ def test_which_devices_and_compilers_share_one_graph_across_sizes():
     line = compile_plan_line(CompilePlan((112, 128, 144), (64,), 700, shared=True), "cuda", "resnet", None)
     assert line.startswith("compiling the training step once for 3 image sizes (112, 128, 144 px)")
     assert f"about {SHAPE_COSTS[('cuda', 'resnet')].per_shape * 2:.0f} s cold" in line
+
+
+def test_a_compiled_evaluation_pads_short_batches_to_one_shape_and_keeps_every_images_logits():
+    """250 images in batches of 100 end in a batch of 50: padded to 100 with zero images whose
+    outputs are dropped, the compiled model sees one batch shape (and, with partial TTA, one
+    re-evaluated share) where unpadded it sees two (and two). Each image's logits are its own
+    either way; partial TTA re-evaluates at least as many of the short batch's images."""
+    from torch import nn
+    from speedrun.engine.evaluate import evaluate
+    from speedrun.engine.runtime import compiled_graphs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 10)).eval()
+    x, y = torch.randn(250, 3, 16, 16), torch.randint(0, 10, (250,))
+    batches = [(x[i:i + 100], y[i:i + 100]) for i in range(0, 250, 100)]
+    results = {}
+    for pad in (None, 100):
+        for tta, fraction in (("none", 1.0), ("flip", 1.0), ("flip", 0.3)):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+            before = compiled_graphs()
+            seen = []
+            c_tta, c_plain, n = evaluate(compiled, batches, tta, fraction=fraction, pad_to=pad,
+                                         on_batch=lambda total, plain, yb: seen.append((total, plain)))
+            results[pad, tta, fraction] = (compiled_graphs() - before, int(c_tta), int(c_plain), n, seen)
+    for tta, fraction, graphs_padded, graphs_unpadded in (("none", 1.0, 1, 2), ("flip", 1.0, 1, 2),
+                                                          ("flip", 0.3, 2, 4)):
+        padded, plain = results[100, tta, fraction], results[None, tta, fraction]
+        assert (padded[0], plain[0]) == (graphs_padded, graphs_unpadded), (tta, fraction, padded[0], plain[0])
+        assert padded[3] == plain[3] == 250 and padded[2] == plain[2]
+        assert [len(t) for t, _ in padded[4]] == [100, 100, 50]
+        for (tp, pp), (tu, pu) in zip(padded[4], plain[4]):
+            torch.testing.assert_close(pp, pu, rtol=1e-5, atol=1e-5)
+            if fraction == 1.0:
+                torch.testing.assert_close(tp, tu, rtol=1e-5, atol=1e-5)
+        if fraction == 1.0:
+            assert padded[1] == plain[1]
+    # the short batch under partial TTA: 30 of its 50 images re-evaluated padded, 15 unpadded
+    short_padded, short_plain = results[100, "flip", 0.3][4][2], results[None, "flip", 0.3][4][2]
+    changed = lambda total, plain: int((total - plain).abs().amax(1).gt(0).sum())  # noqa: E731
+    assert changed(*short_padded) == 30 and changed(*short_plain) == 15

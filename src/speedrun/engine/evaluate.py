@@ -36,13 +36,14 @@ TTA_VIEWS: dict[str, list[tuple[float, Callable]]] = {
 
 
 def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.contiguous_format,
-               fraction: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               fraction: float = 1.0, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean of the views' logits, logits of the plain view) for one batch.
 
     With ``fraction`` < 1 only that share of the batch, the images whose plain prediction has
     the smallest margin between its two top logits, gets the other views (the 2025 CIFAR-10
     record's cheaper TTA); the rest keep their plain logits. The share is a fixed count per
-    batch size, so nothing is read back from the device."""
+    batch size, so nothing is read back from the device. ``valid``: the rows that are images
+    where the rest pad the batch (:func:`evaluate`'s ``pad_to``): padding rows are chosen last."""
     views = TTA_VIEWS[tta]
     # a copy: under CUDA graphs the next view's replay of the same graph overwrites the output
     plain = model(x.contiguous(memory_format=memory_format)).to(torch.float32, copy=True)
@@ -52,7 +53,10 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
     if fraction < 1:
         k = max(1, math.ceil(fraction * len(x)))
         top2 = plain.topk(2, dim=1).values
-        idx = (top2[:, 0] - top2[:, 1]).topk(k, largest=False).indices
+        margin = top2[:, 0] - top2[:, 1]
+        if valid is not None and valid < len(x):
+            margin[valid:] = float("inf")
+        idx = margin.topk(k, largest=False).indices
         x = x[idx]
     total = views[0][0] * (plain if idx is None else plain[idx])
     for weight, view in views[1:]:
@@ -64,10 +68,16 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float = 1.0,
-             on_batch: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+             on_batch: Callable | None = None, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Correct-prediction counts (with TTA, plain view) as device tensors, and the number of
     images, over an iterable of (x, y) device batches: no host sync. ``on_batch(total, plain,
-    y)``, where given, sees each batch's logits (``speedrun evaluate`` keeps them)."""
+    y)``, where given, sees each batch's logits (``speedrun evaluate`` keeps them).
+
+    ``pad_to``: a batch with fewer images (the last one of a set, a smaller set) is filled to
+    this many with zero images whose outputs are dropped, so that a compiled model sees one
+    batch shape in evaluation. With partial TTA its re-evaluated share is then the full batch's
+    count, the padding rows chosen last: a short last batch has at least as many of its images
+    re-evaluated as it would unpadded."""
     memory_format = runtime.memory_format if runtime else torch.contiguous_format
     was_training = model.training
     model.eval()
@@ -76,7 +86,11 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
         for xb, yb in batches:
             if not len(xb):                     # a rank's share of a small last batch can be empty
                 continue
-            total, plain = tta_logits(model, xb, tta, memory_format, fraction)
+            valid = len(xb)
+            if pad_to is not None and valid < pad_to:
+                xb = torch.cat([xb, xb.new_zeros((pad_to - valid, *xb.shape[1:]))])
+            total, plain = tta_logits(model, xb, tta, memory_format, fraction, valid)
+            total, plain = total[:valid], plain[:valid]
             if on_batch is not None:
                 on_batch(total, plain, yb)
             c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])

@@ -40,7 +40,7 @@ from .records import EpochRecord, EpochSteps, RunResult, TargetStop
 from .compiling import cache_counts
 from .runtime import Runtime, compiled_graphs
 from .sizes import epoch_image_side, resized_in_step, run_image_sides
-from .warmup import warm_up as run_warm_up
+from .warmup import eval_pad, warm_up as run_warm_up
 
 
 class DataFailure(RuntimeError):
@@ -168,6 +168,9 @@ class Session:
                               f"run data-parallel ({world.size} processes): set data.prune=0")
         self.shard = Shard(world.rank, world.size, recipe.train.accumulate)
         self.holdout_images = holdout_images(source)
+        # compiled: evaluation batches padded to one size, so the evaluation is one compiled shape
+        self.eval_pad = eval_pad([len(source.test_y), self.holdout_images], recipe.eval.batch_size,
+                                 self.shard) if runtime.compile else None
         if recipe.train.stop_at_target and not self.holdout_images:
             raise RecipeError("train.stop_at_target checks the target on a validation split held out of the "
                               "training images, and this data has none: open it with open_source, which holds "
@@ -356,7 +359,7 @@ class Session:
         each rank evaluates its share with the batch-norm statistics averaged over ranks, and the
         counts are summed."""
         distributed.average_norm_statistics(self.model, self.world)
-        c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction)
+        c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction, pad_to=self.eval_pad)
         counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
         return distributed.all_reduce_sum(counts, self.world)
 

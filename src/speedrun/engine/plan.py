@@ -29,7 +29,7 @@ from .compiling import CompilePlan, compile_cache_location, compile_plan_line
 from .distributed import World
 from .runtime import Runtime, resolve_runtime
 from .sizes import run_image_sides, sizes_share_one_graph
-from .warmup import eval_batch_sizes
+from .warmup import eval_pad
 from .weights import loaded_lines, normalise_as_trained, settle_model, start_of, weights_for
 
 
@@ -81,9 +81,8 @@ def compile_plan(recipe: Recipe, source, runtime: Runtime) -> CompilePlan:
     steps = total_steps(recipe, len(source.train_y))
     epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
     held = holdout_images(source)                   # (train.stop_at_target's validation split)
-    evaluated = {*eval_batch_sizes(len(source.test_y), recipe.eval.batch_size),
-                 *(eval_batch_sizes(held, recipe.eval.batch_size) if held else [])}
-    return CompilePlan(tuple(run_image_sides(recipe, source.image_size[0], epochs)), tuple(sorted(evaluated)), steps,
+    evaluated = (eval_pad([len(source.test_y), held], recipe.eval.batch_size),)      # padded to one size
+    return CompilePlan(tuple(run_image_sides(recipe, source.image_size[0], epochs)), evaluated, steps,
                        sizes_share_one_graph(recipe, runtime.device.type, runtime.compile_backend))
 
 

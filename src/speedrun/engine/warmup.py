@@ -37,6 +37,13 @@ def eval_batch_sizes(n_test: int, batch: int, shard: Shard = Shard()) -> list[in
     return sorted({shard.eval_size(min(batch, n_test)), shard.eval_size(n_test % batch)} - {0})
 
 
+def eval_pad(n_sets: list[int], batch: int, shard: Shard = Shard()) -> int:
+    """The one batch size a compiled run evaluates at (:func:`.evaluate.evaluate`'s ``pad_to``):
+    this rank's share of a full batch, or of the largest evaluated set where that is smaller
+    (``n_sets``: the test set's images, and the held-out split's where there is one)."""
+    return shard.eval_size(min(batch, max(n_sets)))
+
+
 def warm_up(session) -> float:
     """Run the warm-up for ``session``; returns its seconds (the run's ``compile_seconds``)."""
     rt, r, src, model = session.runtime, session.recipe, session.source, session.model
@@ -78,9 +85,12 @@ def warm_up(session) -> float:
         step.rewind()
 
     n_test = len(src.test_y)
-    tested = eval_batch_sizes(n_test, r.eval.batch_size, session.shard)
-    # train.stop_at_target's validation split: evaluated plain, at the batch sizes it is cut into
-    held = eval_batch_sizes(session.holdout_images, r.eval.batch_size, session.shard) if session.holdout_images else []
+    if session.eval_pad:                                # compiled: every evaluation batch padded to one size
+        tested = held = [session.eval_pad]
+    else:
+        tested = eval_batch_sizes(n_test, r.eval.batch_size, session.shard)
+        # train.stop_at_target's validation split: evaluated plain, at the batch sizes it is cut into
+        held = eval_batch_sizes(session.holdout_images, r.eval.batch_size, session.shard) if session.holdout_images else []
     for n in sorted({*tested, *held}):
         x = randn(n, c, *src.eval_size).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
