@@ -113,6 +113,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256, help="files per decode call in the phases (default 256)")
     p.add_argument("--rounds", type=int, default=3, help="timed whole passes (default 3)")
     p.add_argument("--label", default="", help="a word for what code this is (kept in the record)")
+    p.add_argument("--commit", help="the commit the record names (default: the checkout's; a copy without .git "
+                                    "has none)")
     p.add_argument("--out", type=Path, help="the record (default: results/batch-decode-DEVICE.json)")
     args = p.parse_args()
     env = machine()
@@ -156,7 +158,7 @@ def main() -> int:
                   "whole_images_per_s": whole, "median_whole_images_per_s": statistics.median(whole),
                   "phases": split, "torch_version": torch.__version__,
                   "torchvision_version": __import__("torchvision").__version__,
-                  "commit": env.get("commit"), "machine": env}
+                  "commit": args.commit or env.get("commit"), "machine": env}
         atomic_write_json(out, record)
         print(f"median whole pass: {record['median_whole_images_per_s']:,.0f} images/s; wrote {out}")
         return 0
