@@ -171,6 +171,10 @@ def open_source(recipe: Recipe, data_dir=None, say=None, start: dict | None = No
             ds = _held_out(recipe, ds)
             ds.choices = reasons + [why]
             return recipe, ds
+        if d.decoder == "torchvision":              # streamed through the device's decoder (device_stream)
+            from ..sources.device_decode import torchvision_io
+            torchvision_io()                        # (refused here, before a run folder is made, where it is missing)
+            why += "; each batch decoded and cropped on the run's device by torchvision (data.decoder=torchvision)"
         holdout = None
         if recipe.train.stop_at_target:             # (before the statistics: held-out images are never seen)
             train, holdout = hold_out_images(train, d.holdout, d.split_seed)
@@ -207,6 +211,9 @@ def open_pipeline(source, recipe: Recipe, runtime, seed: int, shard: Shard = Sha
     """The pipeline that feeds ``source`` to the engine for one run (the first touch of the
     data): streamed for an image folder, device-resident for arrays. ``shard``: this process's share of every training and evaluation batch."""
     if isinstance(source, FolderSource):
+        if recipe.data.decoder == "torchvision":            # decoded and cropped on the device
+            from .device_stream import DeviceStreamedData
+            return DeviceStreamedData(source, recipe, runtime, seed, shard)
         return StreamedData(source, recipe, runtime, seed, shard)
     translate = recipe.augment.translate if recipe.augment.crop == "translate" else 0
     return ResidentData(source, runtime.device, runtime.dtype, runtime.memory_format, translate, shard,

@@ -318,7 +318,7 @@ class StreamedData:
             raise ValueError("the streamed loader was built for another batch size")
         self.train_sampler.set_epoch(epoch, size or self.image_size[0], skip)
         draws = augment.draw(epoch)
-        for x_u8, y, idx, skipped in batches_of(self.train_loader, self.train_items.images.root):
+        for x_u8, y, idx, skipped in self._decoded(self.train_loader):
             self._note(skipped)
             if x_u8 is None:
                 continue
@@ -343,8 +343,13 @@ class StreamedData:
         with data.skip_corrupt leave gaps)."""
         return self._evaluation_batches(self.val_loader)
 
+    def _decoded(self, loader: DataLoader) -> Iterator:
+        """(uint8 images, labels, indices, [Skipped]) of each of ``loader``'s batches, decoded by
+        its worker processes."""
+        return batches_of(loader, loader.dataset.images.root)
+
     def _evaluation_batches(self, loader: DataLoader):
-        for x_u8, y, idx, skipped in batches_of(loader, loader.dataset.images.root):
+        for x_u8, y, idx, skipped in self._decoded(loader):
             self._note(skipped)
             if isinstance(x_u8, Unreadable):
                 raise DataError(str(x_u8))

@@ -184,7 +184,7 @@ class SquareDecoder:
                 jpegs.append((i, r.jpeg))
             else:
                 images[i] = r.image.to(self.device, non_blocking=True)
-        for i, img in _decode_jpegs(self.tvio, self._pin(jpegs), self.mode, self.device):
+        for i, img in _decode_jpegs(self.tvio, pinned(jpegs) if self.pinned else jpegs, self.mode, self.device):
             if isinstance(img, Exception):
                 self._failed(kept, i, corrupt_error(paths[i], img))
             else:
@@ -198,24 +198,25 @@ class SquareDecoder:
             raise err
         kept[i] = False
 
-    def _pin(self, jpegs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-        """The list's bytes in one pinned buffer (a GPU's decoder copies them from there without
-        staging), each file a view of it."""
-        if not self.pinned or not jpegs:
-            return jpegs
-        buffer = torch.empty(sum(len(d) for _, d in jpegs), dtype=torch.uint8, pin_memory=True)
-        views, at = [], 0
-        for i, d in jpegs:
-            buffer[at:at + len(d)].copy_(d)
-            views.append((i, buffer[at:at + len(d)]))
-            at += len(d)
-        return views
-
     def _weights_for(self, length: int, side: int) -> torch.Tensor:
         key = (length, side)
         if key not in self._weights:
             self._weights[key] = filter_weights(length, (length - side) / 2, side, self.size, self.device)
         return self._weights[key]
+
+
+def pinned(jpegs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """The files' bytes in one pinned buffer (a GPU's decoder copies them from there without
+    staging), each file a view of it."""
+    if not jpegs:
+        return jpegs
+    buffer = torch.empty(sum(len(d) for _, d in jpegs), dtype=torch.uint8, pin_memory=True)
+    views, at = [], 0
+    for i, d in jpegs:
+        buffer[at:at + len(d)].copy_(d)
+        views.append((i, buffer[at:at + len(d)]))
+        at += len(d)
+    return views
 
 
 def decode_to_square(paths: list[Path], size: int, channels: int, device: torch.device | str,
@@ -306,10 +307,7 @@ def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int,
                 x = (wy @ (x.float() @ wx.T)).round_().clamp_(0, 255).to(torch.uint8)
             resized[at:at + len(chunk)] = x
             at += len(chunk)
-    index = torch.tensor(order)
-    if out.device.type == "cuda":
-        index = index.pin_memory().to(out.device, non_blocking=True)
-    out.index_copy_(0, index.to(out.device), resized)
+    out.index_copy_(0, to_device(torch.tensor(order), out.device), resized)
 
 
 def filter_weights(length: int, start: float, side: float, size: int, device: torch.device) -> torch.Tensor:
@@ -325,3 +323,61 @@ def filter_weights(length: int, start: float, side: float, size: int, device: to
     k = torch.arange(length, dtype=torch.float64, device=device) + 0.5
     weights = (1 - ((k[None, :] - centre[:, None]) / support).abs()).clamp_(min=0)
     return (weights / weights.sum(dim=1, keepdim=True)).to(torch.float32)
+
+
+def box_weights(lengths: torch.Tensor, starts: torch.Tensor, spans: torch.Tensor, size: int, extent: int) -> torch.Tensor:
+    """(N, size, extent) float32: for each of N axes, :func:`filter_weights` of the span
+    [start, start + span) of an axis of ``lengths`` pixels, built for all N at once (float64
+    vectors on their device), the columns past an axis's length zero (its image padded there)."""
+    device = lengths.device
+    scale = spans / size
+    support = scale.clamp(min=1.0)
+    centre = starts[:, None] + (torch.arange(size, dtype=torch.float64, device=device) + 0.5)[None, :] * scale[:, None]
+    k = torch.arange(extent, dtype=torch.float64, device=device) + 0.5
+    weights = (1 - ((k[None, None, :] - centre[:, :, None]) / support[:, None, None]).abs()).clamp_(min=0)
+    weights = weights * (k[None, None, :] < lengths[:, None, None])
+    return (weights / weights.sum(dim=2, keepdim=True)).to(torch.float32)
+
+
+CANVAS = 1 << 26
+"""Elements of the padded float32 canvas one resize call fills (256 MB): images of very different
+sizes are resized in several calls rather than all padded to the largest."""
+
+
+def crops_of(images: list[torch.Tensor], boxes: list[tuple[float, float, float, float]], size: int) -> torch.Tensor:
+    """N x C x size x size uint8: each image's box (top, left, height, width; fractional) resampled
+    to size x size with Pillow's antialiased bilinear filter (as ``Image.resize(BILINEAR, box=)``),
+    the images padded onto canvases of their largest sides so that one pair of batched matrix
+    products serves many (a constant number of calls, not a few per image)."""
+    device = images[0].device
+    n, c = len(images), images[0].shape[0]
+    out = torch.empty((n, c, size, size), dtype=torch.uint8, device=device)
+    order = sorted(range(n), key=lambda i: -images[i].shape[1] * images[i].shape[2])
+    start = 0
+    while start < n:
+        stop, h_max, w_max = start, 0, 0
+        while stop < n:
+            h, w = images[order[stop]].shape[1:]
+            if stop > start and (stop - start + 1) * c * max(h_max, h) * max(w_max, w) > CANVAS:
+                break
+            h_max, w_max, stop = max(h_max, h), max(w_max, w), stop + 1
+        members = order[start:stop]
+        canvas = torch.zeros((len(members), c, h_max, w_max), dtype=torch.float32, device=device)
+        for j, i in enumerate(members):
+            canvas[j, :, :images[i].shape[1], :images[i].shape[2]] = images[i]
+        geometry = to_device(torch.tensor([[images[i].shape[1], images[i].shape[2], *boxes[i]] for i in members],
+                                          dtype=torch.float64), device)
+        wy = box_weights(geometry[:, 0], geometry[:, 2], geometry[:, 4], size, h_max)
+        wx = box_weights(geometry[:, 1], geometry[:, 3], geometry[:, 5], size, w_max)
+        x = (wy[:, None] @ (canvas @ wx.transpose(1, 2)[:, None])).round_().clamp_(0, 255).to(torch.uint8)
+        out.index_copy_(0, to_device(torch.tensor(members), device), x)
+        start = stop
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; to a GPU through pinned memory, without waiting for
+    the device's queued work (a copy from pageable memory waits for it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

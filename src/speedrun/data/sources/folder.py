@@ -218,9 +218,10 @@ def decode(data: bytes, path: Path, channels: int, min_hw=None, decoder: str = "
             with _open(io.BytesIO(data)) as im:
                 if im.size[0] * im.size[1] > MAX_PIXELS:
                     raise _too_large(path, im.size[1], im.size[0])
-                if min_hw and im.format == "JPEG":
+                if min_hw:                          # (asked of every format: a caller may draw its crop here)
                     rows, cols = min_hw((im.size[1], im.size[0]))
-                    im.draft("RGB" if channels == 3 else "L", (cols, rows))
+                    if im.format == "JPEG":
+                        im.draft("RGB" if channels == 3 else "L", (cols, rows))
                 img = _pixels(im, channels, path)
     except Image.DecompressionBombError:
         raise _too_large(path) from None
