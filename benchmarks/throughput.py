@@ -184,6 +184,17 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
     workers = f"{n} process" + "es" * (n != 1) if n else "in this process (data.workers=0)"
     streamed = {"pipeline": "streamed", "decoding": f"CPU workers: {workers}, {decoder}",
                 "overrides": ["data.cache='off'"], **fed_region(session, args)}
+    on_device = {"pipeline": "streamed, each batch decoded and cropped on the device (torchvision)",
+                 "overrides": ["data.cache='off'", "data.decoder='torchvision'"]}
+    try:
+        if args.no_gpu_decode:
+            raise DataError("left out (--no-gpu-decode)")
+        r_dev = load_recipe(recipes[0], overrides(args, folder, *on_device["overrides"]))
+        session.recipe, session.source = open_source(r_dev, folder)   # (refuses a missing torchvision in one line)
+        on_device.update(available=True, decoding=f"torchvision on {device.type}, every epoch, host threads "
+                         "reading the next batch", **fed_region(session, args))
+    except DataError as err:
+        on_device.update(available=False, why=str(err))
     gpu = {"pipeline": "decoded once on the device (torchvision), then cropped on the device",
            "overrides": ["data.cache='on'", "data.decoder='torchvision'"]}
     try:
@@ -202,7 +213,7 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
                    **fed_region(session, args))
     except DataError as err:
         gpu.update(available=False, why=str(err))
-    for p in (streamed, gpu):
+    for p in (streamed, on_device, gpu):
         if p.get("available", True):
             p.update(bound(p["images_per_second_median"], rate))
         print(f"{p['pipeline']}: " + (f"{p['images_per_second_median']:,.0f} images/s ({p['pipeline_over_model']:.2f}"
@@ -218,7 +229,7 @@ def pipelines(args, recipes, device, work: Path, made: dict) -> dict:
         "bar": BAR, "recipe": recipe.name, "recipe_config": recipe.to_dict(), "runtime": runtime.describe(),
         "batch": recipe.data.batch_size, "image_size": recipe.data.image_size, "params": params,
         "build_and_warm_up_seconds": build, "compile_seconds": session.compile_seconds,
-        "model_step": alone, "pipelines": [streamed, gpu],
+        "model_step": alone, "pipelines": [streamed, on_device, gpu],
         "scale_input": {"images_per_second": rate, "batch_per_gpu": recipe.data.batch_size, "params": params,
                         "recipe": recipe.name, "device_name": device_name(device), "device": device.type,
                         "precision": runtime.precision, "image_size": recipe.data.image_size,

@@ -272,7 +272,7 @@ def test_throughput_pipelines_times_the_model_step_and_each_pipeline(tmp_path, c
     step = record["model_step"]
     assert len(step["block_seconds"]) == 2 and all(r > 0 for r in step["images_per_second"])
     assert step["images_per_second_median"] > 0 and 0 < step["busy"]["busy_fraction"] <= 1
-    streamed, gpu = record["pipelines"]
+    streamed, on_device, gpu = record["pipelines"]
     assert streamed["pipeline"] == "streamed" and "1 process," in streamed["decoding"]
     assert len(streamed["block_seconds"]) == 2 and all(r > 0 for r in streamed["images_per_second"])
     assert streamed["epochs_started"] > 1                  # 8 images, batch 8: the blocks cross epochs
@@ -281,8 +281,11 @@ def test_throughput_pipelines_times_the_model_step_and_each_pipeline(tmp_path, c
     assert streamed["bound_by"] in ("model", "pipeline") and 0 < streamed["busy"]["busy_fraction"] <= 1
     if torchvision_importable():
         assert gpu["available"] and gpu["decode"]["images_per_second"] > 0 and gpu["bound_by"] in ("model", "pipeline")
+        assert on_device["available"] and on_device["images_per_second_median"] > 0
+        assert on_device["bound_by"] in ("model", "pipeline") and on_device["epochs_started"] > 1
     else:
         assert gpu["available"] is False and "torchvision" in gpu["why"]
+        assert on_device["available"] is False and "torchvision" in on_device["why"]
     assert record["scale_input"]["batch_per_gpu"] == 8 and record["scale_input"]["params"] == record["params"] > 0
     # speedrun scale takes one GPU's speed from the record
     from speedrun.cli import main
