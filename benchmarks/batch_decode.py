@@ -104,6 +104,32 @@ def phases(paths: list[Path], size: int, batch: int, device: torch.device) -> di
             "images_per_s_if_serial": n / sum(t.values()), "distinct_shapes_per_list": groups}
 
 
+def writes(work: Path, n: int, size: int) -> dict:
+    """Seconds to write ``n`` squares of ``size`` px (3 channels) as the decode-once path writes its
+    cache: row lists of 256 into the scratch memory-mapped array, then the ``.npz`` member copied
+    from it (``prepare._write_member``, as ``prepare`` calls it: every row kept)."""
+    import zipfile
+    from speedrun.data.prepare import _write_member
+    shape, per = (n, 3, size, size), 3 * size * size
+    rows = np.random.default_rng(0).integers(0, 256, (256, 3, size, size), dtype=np.uint8)
+    scratch, out = work / "writes-scratch.npy", work / "writes.npz"
+    t0 = time.perf_counter()
+    arr = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape)
+    for start in range(0, n, 256):
+        arr[start:start + 256] = rows[:min(256, n - start)]
+    arr.flush()
+    t1 = time.perf_counter()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        _write_member(zf, "x_train", arr, np.ones(n, dtype=bool))
+    t2 = time.perf_counter()
+    del arr
+    os.remove(scratch)
+    os.remove(out)
+    gb = n * per / 1e9
+    return {"images": n, "size": size, "gigabytes": gb, "scratch_seconds": t1 - t0, "npz_member_seconds": t2 - t1,
+            "scratch_gb_per_s": gb / (t1 - t0), "npz_member_gb_per_s": gb / (t2 - t1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True, help="folder for the photos and the outputs")
@@ -112,6 +138,8 @@ def main() -> int:
     p.add_argument("--size", type=int, default=160, help="side of the decoded squares (default 160)")
     p.add_argument("--batch", type=int, default=256, help="files per decode call in the phases (default 256)")
     p.add_argument("--rounds", type=int, default=3, help="timed whole passes (default 3)")
+    p.add_argument("--write-images", type=int, default=10000,
+                   help="squares (3 x 224 px) written as a cache is, to time the writing alone (default 10000; 0: not timed)")
     p.add_argument("--label", default="", help="a word for what code this is (kept in the record)")
     p.add_argument("--commit", help="the commit the record names (default: the checkout's; a copy without .git "
                                     "has none)")
@@ -144,6 +172,10 @@ def main() -> int:
         split = phases(paths, args.size, args.batch, device)
         print("phases, microseconds per image: " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                              split["microseconds_per_image"].items()), flush=True)
+        written = writes(args.work, args.write_images, 224) if args.write_images else None
+        if written:
+            print(f"writing {written['gigabytes']:.2f} GB: scratch {written['scratch_gb_per_s']:.2f} GB/s, "
+                  f".npz member {written['npz_member_gb_per_s']:.2f} GB/s", flush=True)
         record = {"benchmark": "batched decode (decode-once path)", "what": __doc__.split("\n\n")[0],
                   "label": args.label, "device": where, "threads": torch.get_num_threads(),
                   "host_cores": os.cpu_count(),
@@ -154,9 +186,12 @@ def main() -> int:
                   "timed": {"whole": f"prepare() over {files} files to {args.size} px squares in an .npz, end to end "
                                      "(device synchronised), after one untimed pass",
                             "phases": f"each step over the {len(paths)} training files, in lists of {args.batch}, "
-                                      "one step at a time on one host thread, the device synchronised after each"},
+                                      "one step at a time on one host thread, the device synchronised after each",
+                            "writes": "the cache's two writes alone, of random squares at 224 px: lists of 256 rows "
+                                      "into the scratch memory-mapped array, then its copy into the .npz member, on "
+                                      "the --work folder's disk"},
                   "whole_images_per_s": whole, "median_whole_images_per_s": statistics.median(whole),
-                  "phases": split, "torch_version": torch.__version__,
+                  "phases": split, "writes": written, "torch_version": torch.__version__,
                   "torchvision_version": __import__("torchvision").__version__,
                   "commit": args.commit or env.get("commit"), "machine": env}
         atomic_write_json(out, record)
