@@ -317,3 +317,24 @@ def test_a_data_folder_with_quotes_and_a_backslash_in_its_name_is_read_where_it_
     speedrun("evaluate", out, "--data-dir", other, "--device", "cpu")
     e = json.loads((out / "evaluation.json").read_text())
     assert str(other) in e["data"] and e["matches_record"] is True and e["images"] == 512
+
+
+def test_npz_members_hold_exactly_the_kept_rows_in_order(tmp_path, monkeypatch):
+    """prepare's .npz members (np.load reads them back, checking each member's CRC): every row,
+    or the kept ones of a mask (skipped images at the ends, alone, in runs, all), in slices
+    smaller than a run, and a member of strings."""
+    import zipfile
+    from speedrun.data import prepare as prep
+    monkeypatch.setattr(prep, "MEMBER_SLICE", 3 * 192)             # three rows a slice
+    arr = np.random.default_rng(0).integers(0, 256, (50, 3, 8, 8), dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    masks = [None, np.ones(50, bool), np.zeros(50, bool), np.arange(50) % 2 == 0, rng.random(50) < 0.7,
+             np.r_[np.zeros(5, bool), np.ones(40, bool), np.zeros(5, bool)], np.arange(50) != 17]
+    for k, mask in enumerate(masks):
+        path = tmp_path / f"m{k}.npz"
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            prep._write_member(zf, "x", arr, mask)
+            prep._write_member(zf, "classes", np.asarray(["cat", "dog", "bird"]))
+        with np.load(path) as z:
+            assert np.array_equal(z["x"], arr if mask is None else arr[mask]), k
+            assert z["classes"].tolist() == ["cat", "dog", "bird"]

@@ -151,15 +151,25 @@ def _store(arr, kept, skipped, i, x) -> None:
         arr[i] = x
 
 
+MEMBER_SLICE = 64 << 20
+"""Bytes of rows handed to the zip file at a time."""
+
+
 def _write_member(zf: zipfile.ZipFile, name: str, arr: np.ndarray, rows: np.ndarray | None = None) -> None:
-    """Write one .npy member uncompressed, streaming rows so nothing is held whole in memory."""
-    shape = (int(rows.sum()) if rows is not None else arr.shape[0], *arr.shape[1:])
+    """Write one .npy member uncompressed, streaming rows so nothing is held whole in memory:
+    the kept rows (``rows``: a mask, default all) in runs of consecutive rows, each run in
+    slices of at most 64 MiB handed to the zip file as they lie in ``arr`` (a memory-mapped
+    scratch file: read from the page cache, not gathered row by row)."""
+    keep = np.ones(arr.shape[0], dtype=bool) if rows is None else np.asarray(rows, dtype=bool)
+    shape = (int(keep.sum()), *arr.shape[1:])
     header = {"descr": np.lib.format.dtype_to_descr(arr.dtype), "fortran_order": False, "shape": shape}
+    step = max(1, MEMBER_SLICE // max(1, arr[:1].nbytes))
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
     with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
         np.lib.format.write_array_header_2_0(f, header)
-        idx = np.flatnonzero(rows) if rows is not None else np.arange(arr.shape[0])
-        for start in range(0, len(idx), 4096):
-            f.write(np.ascontiguousarray(arr[idx[start:start + 4096]]).tobytes())
+        for first, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            for start in range(first, stop, step):
+                f.write(np.ascontiguousarray(arr[start:min(stop, start + step)]).reshape(-1).view(np.uint8))
 
 
 def prepare(src: str | Path, size: int, out: str | Path, val_fraction: float = 0.0, seed: int = 0,
