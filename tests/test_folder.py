@@ -354,6 +354,6 @@ def test_prepare_writes_the_same_npz_whether_its_scratch_is_in_memory_or_on_disk
     prep.prepare(images, 24, tmp_path / "disk.npz", workers=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.npy", "disk.npz", "images", "memory.npz"]   # (no scratch left)
     a, b = load_npz(tmp_path / "memory.npz"), load_npz(tmp_path / "disk.npz")
-    assert a.classes == b.classes and len(a.train_x) == 60 and len(a.test_x) == 20     # (per class)
+    assert a.classes == b.classes and len(a.train_x) == 30 and len(a.test_x) == 10
     for x, y in ((a.train_x, b.train_x), (a.test_x, b.test_x), (a.train_y, b.train_y), (a.test_y, b.test_y)):
         assert torch.equal(x, y)
