@@ -338,22 +338,3 @@ def test_npz_members_hold_exactly_the_kept_rows_in_order(tmp_path, monkeypatch):
         with np.load(path) as z:
             assert np.array_equal(z["x"], arr if mask is None else arr[mask]), k
             assert z["classes"].tolist() == ["cat", "dog", "bird"]
-
-
-def test_prepare_writes_the_same_npz_whether_its_scratch_is_in_memory_or_on_disk(jpeg_dir, tmp_path, monkeypatch):
-    """A split whose decoded images fit in a quarter of the memory available waits for the .npz
-    in memory (one write to disk); a larger one in a scratch file beside the output, removed
-    after. The .npz is the same either way."""
-    from speedrun.data import prepare as prep
-    assert not isinstance(prep.scratch_array(tmp_path / "a.npy", (4, 3, 8, 8)), np.memmap)
-    assert prep.available_memory() > 0
-    images = small_folder(jpeg_dir, tmp_path / "images", n_train=30, n_val=10)
-    prep.prepare(images, 24, tmp_path / "memory.npz", workers=0)
-    monkeypatch.setattr(prep, "SCRATCH_MEMORY_SHARE", 0.0)
-    assert isinstance(prep.scratch_array(tmp_path / "b.npy", (4, 3, 8, 8)), np.memmap)
-    prep.prepare(images, 24, tmp_path / "disk.npz", workers=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.npy", "disk.npz", "images", "memory.npz"]   # (no scratch left)
-    a, b = load_npz(tmp_path / "memory.npz"), load_npz(tmp_path / "disk.npz")
-    assert a.classes == b.classes and len(a.train_x) == 30 and len(a.test_x) == 10
-    for x, y in ((a.train_x, b.train_x), (a.test_x, b.test_x), (a.train_y, b.train_y), (a.test_y, b.test_y)):
-        assert torch.equal(x, y)

@@ -97,45 +97,17 @@ def _decode_one(args):
     return i, (out if isinstance(out, Skipped) else out[0].numpy().transpose(2, 0, 1))
 
 
-SCRATCH_MEMORY_SHARE = 0.25
-"""The largest share of the memory available that a split's decoded images may take in memory
-before being written to the .npz; larger splits go through a scratch file on disk."""
-
-
-def available_memory() -> int:
-    """Bytes of memory available to new allocations (Linux's MemAvailable; else the free pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):          # pragma: no cover - non-POSIX
-        return 0
-
-
-def scratch_array(path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    """Where a split's decoded images wait for the .npz: in memory where they take at most
-    :data:`SCRATCH_MEMORY_SHARE` of the memory available (the .npz is then the only write to
-    disk), else a memory-mapped file at ``path`` (written once more, when copied into the .npz)."""
-    if int(np.prod(shape)) <= SCRATCH_MEMORY_SHARE * available_memory():
-        return np.empty(shape, dtype=np.uint8)
-    return np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
-
-
 def _decode_split(images: ImageList, channels: int, size: int, workers: int, skip_corrupt: bool,
                   scratch: Path, label: str, decoder: str = "auto",
                   device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
-    """Decode a split into a scratch array (:func:`scratch_array`); returns (images, kept mask,
-    {skipped file: why})."""
-    arr = scratch_array(scratch / f"{label}.npy", (len(images), channels, size, size))
+    """Decode a split into a scratch memmap; returns (images, kept mask, {skipped file: why})."""
+    arr = np.lib.format.open_memmap(scratch / f"{label}.npy", mode="w+", dtype=np.uint8,
+                                    shape=(len(images), channels, size, size))
     kept = np.ones(len(images), dtype=bool)
     skipped: dict[int, Skipped] = {}          # list index -> why it was left out
     if decoder == "torchvision":
         _decode_on_device(images, channels, size, skip_corrupt, label, device or torch.device("cpu"), arr, kept)
+        arr.flush()
         return arr, kept, {str(images.path(int(i))): "cannot decode this image" for i in np.flatnonzero(~kept)}
     items = ImageItems(images, Decoding(channels, False, decoder=decoder, skip_corrupt=skip_corrupt))
     jobs = [(i, size) for i in range(len(images))]
@@ -153,6 +125,7 @@ def _decode_split(images: ImageList, channels: int, size: int, workers: int, ski
             for job in jobs:
                 _store(arr, kept, skipped, *_decode_one(job))
                 bar.advance(task)
+    arr.flush()
     return arr, kept, {s.path: s.reason for _, s in sorted(skipped.items())}
 
 
