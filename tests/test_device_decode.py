@@ -350,3 +350,27 @@ def test_the_device_streamed_pipeline_on_the_gpu_cuts_what_it_cuts_on_the_cpu(ph
         assert xb.device.type == "cuda" and torch.equal(ya, yb)
         mean, worst = differences(xa, xb.cpu())
         assert mean < 1 and worst < 3, (mean, worst)
+
+
+@needs_torchvision
+def test_a_device_streamed_run_signalled_mid_epoch_stops_and_resumes_bit_for_bit(jpeg32, tmp_path):
+    """The device-decoded stream under the stop signals a terminal and SLURM send (to the whole
+    process group, in the middle of an epoch, while the reading threads fetch the next batch):
+    the run checkpoints at the step boundary, exits resumable without a traceback, and resumed
+    twice ends with the uninterrupted run's weights, every tensor."""
+    import signal
+    import subprocess
+    import sys
+    from test_stop_signals import STREAMED, cut_and_resume, equal_weights, plain_env
+    args = [*STREAMED, "--data-dir", str(jpeg32), "--set", "train.epochs=2", "--set", "data.decoder=torchvision",
+            "--set", "data.cache=off"]
+    cmd = [sys.executable, "-m", "speedrun", "train"]
+    whole = subprocess.Popen([*cmd, *args, "--out", str(tmp_path / "whole")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=plain_env())
+    run = tmp_path / "cut"
+    stops = cut_and_resume([*cmd, *args, "--log-every", "1", "--out", str(run)],
+                           [*cmd, "--resume", str(run), "--data-dir", str(jpeg32), "--log-every", "1"],
+                           [(signal.SIGINT, 3, 0), (signal.SIGTERM, 10, 0)], 16)
+    assert stops == sorted(stops)
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    assert equal_weights(tmp_path / "whole", run)
