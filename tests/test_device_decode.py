@@ -374,3 +374,21 @@ def test_a_device_streamed_run_signalled_mid_epoch_stops_and_resumes_bit_for_bit
     assert stops == sorted(stops)
     assert whole.wait(timeout=300) == 0, whole.stderr.read()
     assert equal_weights(tmp_path / "whole", run)
+
+
+@needs_torchvision
+def test_two_processes_streamed_through_the_device_decoder_train_what_one_trains(jpeg32, tmp_path):
+    """torchrun, gloo, two processes: each decodes and crops its own share of every batch on its
+    device (the same sampler shards as the worker-decoded stream); with batch norm synchronised
+    and fp32 they end with one process's weights, and every test image is counted once."""
+    from test_distributed import ok, relative_difference, run, single, summary, torchrun_cmd, weights
+    common = ["folder", "--data-dir", jpeg32, "--device", "cpu", "--set", "model.widths=[8,16,16]",
+              "--set", "data.batch_size=128", "--set", "train.epochs=1", "--set", "runtime.precision=fp32",
+              "--set", "eval.tta=flip", "--set", "eval.tta_fraction=1.0", "--set", "model.norm.sync_ranks=0",
+              "--set", "data.decoder=torchvision", "--set", "data.cache=off"]
+    ok(single(*common, "--out", tmp_path / "one"))
+    ok(run(torchrun_cmd(*common, "--out", tmp_path / "two")))
+    one, two = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert (one["world_size"], two["world_size"]) == (1, 2) and one["steps"] == two["steps"] == 4
+    assert relative_difference(weights(tmp_path / "one"), weights(tmp_path / "two")) < 1e-5
+    assert one["test_acc"] == pytest.approx(two["test_acc"], abs=1 / 512 + 1e-9)
