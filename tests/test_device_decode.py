@@ -232,7 +232,8 @@ def test_the_batch_decode_benchmark_times_whole_passes_and_each_phase(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "record.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "batch_decode.py"), "--work", str(tmp_path / "w"),
-                           "--images", "20", "--size", "48", "--batch", "8", "--rounds", "2", "--out", str(out)],
+                           "--images", "20", "--size", "48", "--batch", "8", "--rounds", "2", "--write-images", "300",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -244,6 +245,10 @@ def test_the_batch_decode_benchmark_times_whole_passes_and_each_phase(tmp_path):
         s > 0 for s in phases["seconds"].values())
     assert len(phases["distinct_shapes_per_list"]) == 3 and max(phases["distinct_shapes_per_list"]) >= 2
     assert record["torch_version"] == torch.__version__ and record["device"] and record["machine"]["cpu_model"]
+    writes = record["writes"]
+    assert writes["images"] == 300 and writes["gigabytes"] == pytest.approx(300 * 3 * 224 * 224 / 1e9)
+    assert writes["scratch_gb_per_s"] > 0 and writes["npz_member_gb_per_s"] > 0
+    assert not list((tmp_path / "w").glob("writes*"))          # (the timed files removed)
     rc = subprocess.run([sys.executable, str(root / "benchmarks" / "batch_decode.py"), "--work", str(tmp_path / "w"),
                          "--images", "20", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
     assert rc.returncode == 1 and "batch_decode.py:" in rc.stderr and "Traceback" not in rc.stderr   # kept record
