@@ -34,8 +34,6 @@ from ..stop_signals import worker_of
 from .pipeline.stream import Decoding, ImageItems, Unreadable, default_workers, worker_context
 
 DECODERS = ("auto", "pillow", "simplejpeg", "torchvision")
-DEVICE_BATCH = 256
-"""Files per batched call of the torchvision decoder."""
 
 _items: ImageItems | None = None
 
@@ -137,7 +135,7 @@ def _decode_on_device(images: ImageList, channels: int, size: int, skip_corrupt:
     decoder = SquareDecoder(size, channels, device, skip_corrupt)
     with progress_bar() as bar:
         task = bar.add_task(f"decoding {label} on {device.type}", total=len(images))
-        for start, x, ok in decoder.stream([images.path(i) for i in range(len(images))], DEVICE_BATCH):
+        for start, x, ok in decoder.stream([images.path(i) for i in range(len(images))]):
             arr[start:start + len(x)] = x.numpy()
             kept[start:start + len(x)] = ok.numpy()
             bar.advance(task, len(x))

@@ -15,14 +15,12 @@ crops taken from much larger photos differ from it by a few grey levels.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
-from ..sources.device_decode import THREADS, _decode_jpegs, _read, corrupt_error, crops_of, pinned, torchvision_io
+from ..sources.device_decode import crops_of, decode_reads, read_ahead, torchvision_io
 from ..sources.skipped import Skipped, reason_of
 from .shard import Shard
 from .stream import ImageItems, StreamedData, item_rng, rrc_box
@@ -31,10 +29,9 @@ from .stream import ImageItems, StreamedData, item_rng, rrc_box
 class DeviceStreamedData(StreamedData):
     """:class:`StreamedData` whose batches are decoded and cropped on the runtime's device."""
 
-    def __init__(self, source, recipe, runtime, seed: int, shard: Shard = Shard(), threads: int | None = None):
+    def __init__(self, source, recipe, runtime, seed: int, shard: Shard = Shard()):
         self.tvio = torchvision_io()                        # (a DataError saying how to install it)
         super().__init__(source, recipe, runtime, seed, shard)
-        self.threads = threads or max(1, min(THREADS, os.cpu_count() or 1))
         self.mode = self.tvio.ImageReadMode.RGB if source.channels == 3 else self.tvio.ImageReadMode.GRAY
 
     def _decoded(self, loader: DataLoader) -> Iterator:
@@ -42,44 +39,19 @@ class DeviceStreamedData(StreamedData):
         (its sampler's keys, its items' files and decoding), the next batch's files read while
         this one is decoded."""
         items, keys = loader.dataset, list(loader.batch_sampler)
-        if not keys:
-            return
-        pool = ThreadPoolExecutor(self.threads)
-        try:
-            def read(batch):
-                return [pool.submit(_read, items.images.path(i), items.d.channels) for i, _, _ in batch]
-            reading = read(keys[0])
-            for k, batch in enumerate(keys):
-                reads = [f.result() for f in reading]
-                if k + 1 < len(keys):
-                    reading = read(keys[k + 1])
-                yield self._crops(items, batch, reads)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        lists = [[items.images.path(i) for i, _, _ in batch] for batch in keys]
+        for batch, paths, reads in zip(keys, lists, read_ahead(lists, items.d.channels)):
+            yield self._crops(items, batch, paths, reads)
 
-    def _crops(self, items: ImageItems, batch: list, reads: list):
-        d, device = items.d, self.device
-        images: dict[int, torch.Tensor] = {}
-        jpegs, skipped = [], []
+    def _crops(self, items: ImageItems, batch: list, paths: list, reads: list):
+        d, skipped = items.d, []
 
         def unreadable(j: int, err) -> None:
-            path = items.images.path(batch[j][0])
             if not d.skip_corrupt:
                 raise err
-            skipped.append(Skipped(str(path), reason_of(str(err), path)))
+            skipped.append(Skipped(str(paths[j]), reason_of(str(err), paths[j])))
 
-        for j, r in enumerate(reads):
-            if r.error is not None:
-                unreadable(j, r.error)
-            elif r.jpeg is not None:
-                jpegs.append((j, r.jpeg))
-            else:
-                images[j] = r.image.to(device, non_blocking=True)
-        for j, img in _decode_jpegs(self.tvio, pinned(jpegs) if device.type == "cuda" else jpegs, self.mode, device):
-            if isinstance(img, Exception):
-                unreadable(j, corrupt_error(items.images.path(batch[j][0]), img))
-            else:
-                images[j] = img
+        images = decode_reads(self.tvio, paths, reads, self.mode, self.device, unreadable)
         kept = sorted(images)
         if not kept:
             return None, None, None, skipped

@@ -34,7 +34,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -109,6 +109,49 @@ def _check_header(data: bytes, path: Path) -> bool:
     return progressive
 
 
+def read_ahead(lists: Sequence[Sequence[Path]], channels: int, threads: int | None = None) -> Iterator[list[_Read]]:
+    """Each list's files as the reading threads leave them (:func:`_read`), in order; the next
+    list's files are already being read when a list is handed over. ``threads``: default one
+    per core, at most :data:`THREADS`."""
+    if not lists:
+        return
+    pool = ThreadPoolExecutor(threads or max(1, min(THREADS, os.cpu_count() or 1)))
+    try:
+        def submit(paths):
+            return [pool.submit(_read, p, channels) for p in paths]
+        reading = submit(lists[0])
+        for k in range(len(lists)):
+            reads = [f.result() for f in reading]
+            if k + 1 < len(lists):
+                reading = submit(lists[k + 1])
+            yield reads
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def decode_reads(tvio, paths: Sequence[Path], reads: list[_Read], mode, device: torch.device,
+                 failed: Callable[[int, DataError], None]) -> dict[int, torch.Tensor]:
+    """{position: uint8 C x H x W on ``device``} of a list's files read by :func:`read_ahead`:
+    the baseline JPEGs decoded by one call (from one pinned buffer on a GPU), the rest moved as
+    the threads decoded them; ``failed(position, error)`` hears each file that cannot be decoded
+    (the error names it) and raises or lets it be left out."""
+    images: dict[int, torch.Tensor] = {}
+    jpegs: list[tuple[int, torch.Tensor]] = []      # position -> the file's bytes (host)
+    for i, r in enumerate(reads):
+        if r.error is not None:
+            failed(i, r.error)
+        elif r.jpeg is not None:
+            jpegs.append((i, r.jpeg))
+        else:
+            images[i] = r.image.to(device, non_blocking=True)
+    for i, img in _decode_jpegs(tvio, pinned(jpegs) if device.type == "cuda" else jpegs, mode, device):
+        if isinstance(img, Exception):
+            failed(i, corrupt_error(paths[i], img))
+        else:
+            images[i] = img
+    return images
+
+
 class SquareDecoder:
     """Image files to uint8 squares (channels x size x size) on ``device``. An unreadable file
     raises a DataError naming it; with ``skip_corrupt`` its square is left zero and marked not
@@ -118,44 +161,30 @@ class SquareDecoder:
                  threads: int | None = None):
         self.tvio = torchvision_io()
         self.size, self.channels, self.skip_corrupt = size, channels, skip_corrupt
-        self.device = torch.device(device)
-        self.threads = threads or max(1, min(THREADS, os.cpu_count() or 1))
-        self.pinned = self.device.type == "cuda"
+        self.device, self.threads = torch.device(device), threads
         self._weights: dict[tuple[int, int], torch.Tensor] = {}
         self.mode = self.tvio.ImageReadMode.RGB if channels == 3 else self.tvio.ImageReadMode.GRAY
 
     def __call__(self, paths: Sequence[Path]) -> tuple[torch.Tensor, torch.Tensor]:
         """(squares N x channels x size x size on the device, bool kept-mask on the CPU) of one list."""
-        with ThreadPoolExecutor(self.threads) as pool:
-            return self._squares(paths, list(pool.map(self._read, paths)))
+        [reads] = list(read_ahead([paths], self.channels, self.threads))
+        return self._squares(paths, reads)
 
     def stream(self, paths: Sequence[Path], per_list: int = LIST) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(first index, squares on the host, kept mask) for each list of ``per_list`` files, in
         order: the next list's files are read while this one decodes, and each list's squares
         are copied to the host while the next one decodes."""
-        starts = list(range(0, len(paths), per_list))
-        pool = ThreadPoolExecutor(self.threads)
-        try:
-            def submit(start):
-                return [pool.submit(self._read, p) for p in paths[start:start + per_list]]
-            reading = submit(starts[0]) if starts else []
-            waiting = None
-            for k, start in enumerate(starts):
-                reads = [f.result() for f in reading]
-                if k + 1 < len(starts):
-                    reading = submit(starts[k + 1])
-                squares, kept = self._squares(paths[start:start + per_list], reads)
-                host, done = self._to_host(squares)
-                if waiting is not None:
-                    yield self._ready(*waiting)
-                waiting = (start, host, kept, done)
+        starts = range(0, len(paths), per_list)
+        lists = [paths[start:start + per_list] for start in starts]
+        waiting = None
+        for start, files, reads in zip(starts, lists, read_ahead(lists, self.channels, self.threads)):
+            squares, kept = self._squares(files, reads)
+            host, done = self._to_host(squares)
             if waiting is not None:
                 yield self._ready(*waiting)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _read(self, path: Path) -> _Read:
-        return _read(path, self.channels)
+            waiting = (start, host, kept, done)
+        if waiting is not None:
+            yield self._ready(*waiting)
 
     def _to_host(self, squares: torch.Tensor):
         if self.device.type != "cuda":
@@ -175,35 +204,16 @@ class SquareDecoder:
     def _squares(self, paths: Sequence[Path], reads: list[_Read]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(paths)
         kept = torch.ones(n, dtype=torch.bool)
-        images: dict[int, torch.Tensor] = {}            # index -> uint8 C x H x W on the device
-        jpegs: list[tuple[int, torch.Tensor]] = []      # index -> the file's bytes (host)
-        for i, r in enumerate(reads):
-            if r.error is not None:
-                self._failed(kept, i, r.error)
-            elif r.jpeg is not None:
-                jpegs.append((i, r.jpeg))
-            else:
-                images[i] = r.image.to(self.device, non_blocking=True)
-        for i, img in _decode_jpegs(self.tvio, pinned(jpegs) if self.pinned else jpegs, self.mode, self.device):
-            if isinstance(img, Exception):
-                self._failed(kept, i, corrupt_error(paths[i], img))
-            else:
-                images[i] = img
+        images = decode_reads(self.tvio, paths, reads, self.mode, self.device,
+                              lambda i, err: self._failed(kept, i, err))
         out = torch.zeros((n, self.channels, self.size, self.size), dtype=torch.uint8, device=self.device)
-        _squares_into(out, images, self.size, self._weights_for)
+        _squares_into(out, images, self.size, self._weights)
         return out, kept
 
     def _failed(self, kept: torch.Tensor, i: int, err: DataError) -> None:
         if not self.skip_corrupt:
             raise err
         kept[i] = False
-
-    def _weights_for(self, length: int, side: int) -> torch.Tensor:
-        key = (length, side)
-        if key not in self._weights:
-            self._weights[key] = filter_weights(length, (length - side) / 2, side, self.size, self.device)
-        return self._weights[key]
-
 
 def pinned(jpegs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
     """The files' bytes in one pinned buffer (a GPU's decoder copies them from there without
@@ -245,8 +255,7 @@ def decode_one(path: Path, size: int, channels: int, device: torch.device | str 
     else:
         img = r.image.to(device)
     out = torch.zeros((1, channels, size, size), dtype=torch.uint8, device=device)
-    _squares_into(out, {0: img}, size,
-                  lambda length, side: filter_weights(length, (length - side) / 2, side, size, device))
+    _squares_into(out, {0: img}, size)
     return out[0]
 
 
@@ -282,15 +291,21 @@ def _reason(err: Exception) -> str:
     return re.sub(r"^[\w:]+, \S+\.(?:cpp|cu|h):\d+, ", "", first)
 
 
-def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int, weights=None) -> None:
+def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int,
+                  weights: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
     """Each image's centre square (the whole shorter side) resized to size x size into ``out``;
     images of the same shape are resized together, at most ``GROUP`` at a time, into a list in
-    shape order that one indexed copy puts in place. ``weights(length, side)``: the filter
-    matrix of an axis (default: :func:`filter_weights`, built each time)."""
+    shape order that one indexed copy puts in place. ``weights``: the centre filter matrices
+    (:func:`filter_weights`) by (axis length, side), kept there for later calls."""
     if not images:
         return
-    if weights is None:
-        weights = lambda length, side: filter_weights(length, (length - side) / 2, side, size, out.device)  # noqa: E731
+    weights = {} if weights is None else weights
+
+    def centre(length: int, side: int) -> torch.Tensor:
+        if (length, side) not in weights:
+            weights[length, side] = filter_weights(length, (length - side) / 2, side, size, out.device)
+        return weights[length, side]
+
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, img in images.items():
         groups[tuple(img.shape[1:])].append(i)
@@ -299,7 +314,7 @@ def _squares_into(out: torch.Tensor, images: dict[int, torch.Tensor], size: int,
     at = 0
     for (h, w), members in groups.items():
         side = min(h, w)
-        wy, wx = weights(h, side), weights(w, side)
+        wy, wx = centre(h, side), centre(w, side)
         for start in range(0, len(members), GROUP):
             chunk = members[start:start + GROUP]
             x = torch.stack([images[i] for i in chunk])
@@ -316,13 +331,9 @@ def filter_weights(length: int, start: float, side: float, size: int, device: to
     as wide as the down-scaling factor, normalised; pixels beside the span take part as in
     Pillow's box resize). As matrices, unlike ``F.interpolate``, the span may start on a half
     pixel: the centre square of an image whose sides differ by an odd number of pixels does.
-    Built on ``device`` (no copy from the host)."""
-    scale = side / size
-    support = max(scale, 1.0)
-    centre = start + (torch.arange(size, dtype=torch.float64, device=device) + 0.5) * scale
-    k = torch.arange(length, dtype=torch.float64, device=device) + 0.5
-    weights = (1 - ((k[None, :] - centre[:, None]) / support).abs()).clamp_(min=0)
-    return (weights / weights.sum(dim=1, keepdim=True)).to(torch.float32)
+    (:func:`box_weights` for one axis, built on ``device``.)"""
+    geometry = to_device(torch.tensor([[length, start, side]], dtype=torch.float64), torch.device(device))
+    return box_weights(geometry[:, 0], geometry[:, 1], geometry[:, 2], size, length)[0]
 
 
 def box_weights(lengths: torch.Tensor, starts: torch.Tensor, spans: torch.Tensor, size: int, extent: int) -> torch.Tensor:
