@@ -39,15 +39,17 @@ def is_file_form(where: str) -> bool:
     return where.endswith(".py") or "/" in where or "\\" in where
 
 
-def source_file(factory: str) -> Path:
-    """The source file the factory is defined in (without importing a file form)."""
+def source_file(factory: str, trained: bool = False) -> Path:
+    """The source file the factory is defined in (without importing a file form); ``trained``:
+    a run was trained with it (its recipe records the file's SHA-256)."""
     where, _ = split(factory)
     if is_file_form(where):
         path = Path(where).expanduser()
         if not path.is_file():
+            todo = ("the run was trained with it: put it back" if trained else
+                    "give the path of the .py file that defines the function")
             raise RecipeError(f"model.factory={factory}: no such file {path}"
-                              + ("" if path.is_absolute() else f" (from {Path.cwd()})")
-                              + "; give the path of the .py file that defines the function")
+                              + ("" if path.is_absolute() else f" (from {Path.cwd()})") + f"; {todo}")
         return path.resolve()
     module = _import_module(factory, where)
     file = getattr(module, "__file__", None)
@@ -102,7 +104,7 @@ def load_factory(cfg) -> Callable:
     """The function ``cfg.factory`` names, its source checked against ``cfg.factory_sha256``
     where the recipe records one."""
     where, function = split(cfg.factory)
-    path = source_file(cfg.factory)
+    path = source_file(cfg.factory, bool(cfg.factory_sha256))
     digest = sha256_file(path)
     if cfg.factory_sha256 and digest != cfg.factory_sha256:
         raise RecipeError(f"model.factory={cfg.factory}: {path} has changed since the run was trained (SHA-256 "
@@ -129,7 +131,7 @@ def build_custom(cfg, in_channels: int, num_classes: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         shown = repr(model)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise RecipeError(f"model.factory={cfg.factory} returned {shown} (a {type(model).__name__}), not a "
+        raise RecipeError(f"model.factory={cfg.factory} returned {shown} (of type {type(model).__name__}), not a "
                           "torch.nn.Module: return the network")
     return model
 
@@ -137,7 +139,7 @@ def build_custom(cfg, in_channels: int, num_classes: int) -> nn.Module:
 def recorded(cfg) -> dict:
     """The [model] values a run records of its factory: the file's path made absolute and its
     SHA-256 (a recipe that records one already keeps it, and is checked against it)."""
-    path = source_file(cfg.factory)
+    path = source_file(cfg.factory, bool(cfg.factory_sha256))
     where, function = split(cfg.factory)
     factory = f"{path}:{function}" if is_file_form(where) else cfg.factory
     return {"model.factory": factory, "model.factory_sha256": cfg.factory_sha256 or sha256_file(path)}

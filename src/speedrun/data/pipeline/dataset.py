@@ -108,6 +108,11 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
         yours = new_network(raw, list(user or []))
         if yours is not None:                        # your network, not the one the data chose
             c.reasons = [your_network(r, yours) for r in c.reasons]
+            mult = raw.get("optim", {}).get("norm_bias_lr_mult", 1.0)
+            if mult != 1.0:                          # (it goes with the speed net's frozen batch-norm scale)
+                c.values["optim.norm_bias_lr_mult"] = 1.0
+                c.reasons.insert(1, f"batch-norm biases at the weights' LR (the speed net's {mult:g}x goes with its "
+                                    "frozen batch-norm scale)")
         raw = apply_overrides(set_values(raw, c.values, source), list(user or []))
         recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source)
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
