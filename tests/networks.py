@@ -62,3 +62,10 @@ def factory_file(folder: Path, name: str = "tiny_net.py") -> Path:
     path = folder / name
     path.write_text(FACTORY, encoding="utf-8")
     return path
+
+
+def one_error_line(err: str) -> str:
+    """The one line a refused command writes to stderr (asserted to be one, with no traceback)."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("speedrun: error: ") and "Traceback" not in err, err
+    return lines[0]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from matrix import bar
-from networks import factory_file, recipe_file
+from networks import factory_file, one_error_line, recipe_file
 from small_data import speedrun
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -18,12 +18,6 @@ from speedrun.recipe import load_recipe
 from test_training_features import killed_at_first_checkpoint
 
 CUSTOM = {"name": "custom", "factory": "tiny_net.py:make"}
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("speedrun: error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_a_factory_file_learns_resumes_bit_for_bit_and_its_run_is_used(npz32, jpeg32, tmp_path, monkeypatch, cli):

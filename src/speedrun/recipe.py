@@ -193,7 +193,8 @@ INIT_DESCRIPTION = (
     "how the weights start: {schemes}, or weights to start from (fine-tuning): a speedrun run folder or its "
     "model.pt, a .pt/.pth/.safetensors file of ResNet weights in torchvision's or timm's layout, "
     "torchvision:NAME.WEIGHTS (e.g. torchvision:resnet50.IMAGENET1K_V2, fetched and checked against its published "
-    "hash), or timm:NAME (e.g. timm:resnet50.a1_in1k; needs speedrun[timm]; timm:NAME=FILE for a local copy). "
+    "hash), or timm:NAME of any of timm's architectures (e.g. timm:convnext_atto.d2_in1k; needs speedrun[timm]; "
+    "timm:NAME=FILE for a local copy). "
     "With weights, the network is the one they were trained as: this section's other fields are taken from them")
 
 SCHEMES = ("default", "kaiming", "xavier")

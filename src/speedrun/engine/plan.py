@@ -106,27 +106,34 @@ def newton_schulz_dtype(recipe: Recipe, runtime: Runtime) -> str | None:
                               runtime.precision) == torch.bfloat16 else "fp32"
 
 
-def run_sides(recipe: Recipe, source) -> list[int]:
-    """Every image side the run feeds its network: each training side and the evaluation's."""
+def run_sides(recipe: Recipe, source) -> tuple[list[int], int]:
+    """(every image side the run trains at, the side it evaluates at)."""
     steps = total_steps(recipe, len(source.train_y))
     epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
-    evaluated = getattr(source, "eval_size", None) or source.image_size
-    return sorted(set(run_image_sides(recipe, source.image_size[0], epochs)) | {evaluated[0]})
+    evaluated = (getattr(source, "eval_size", None) or source.image_size)[0]
+    return run_image_sides(recipe, source.image_size[0], epochs), evaluated
 
 
 def checked_network(recipe: Recipe, source) -> tuple[Recipe, list[str]]:
     """A network speedrun does not build itself (timm's, your factory), checked against the
     data before anything of the run is written: built (shapes only) and run on two images of
     each side the run uses, it must answer one logit per class. Your factory's file is recorded
-    in the recipe (its absolute path and SHA-256). The line that says which network it is."""
+    in the recipe (its absolute path and SHA-256). The line that says which network it is, from
+    which weights, at which sizes."""
     if recipe.model.name == "custom":
         recipe = recipe.with_values(recorded(recipe.model))
-    model = check_network(recipe.model, source.in_channels, source.num_classes, run_sides(recipe, source))
+    trained, evaluated = run_sides(recipe, source)
+    model = check_network(recipe.model, source.in_channels, source.num_classes, [*trained, evaluated])
     if model is None:
         return recipe, []
-    weights = "" if init_is_weights(recipe.model.init) else " from random weights (" + (
+    weights = "" if init_is_weights(recipe.model.init) else "; from random weights (" + (
         "timm's own initialisation)" if recipe.model.name == "timm" else "your factory's initialisation)")
-    return recipe, [network_line(recipe.model, model) + weights]
+    size = f"; trained at {'/'.join(map(str, trained))} px, evaluated at {evaluated} px"
+    ft = recipe.finetune
+    tuned = "" if not ft.active else "; fine-tuned" + (
+        f": the classifier alone for {ft.head_epochs:g} epochs" if ft.head_epochs else "") + (
+        f", then each block's LR from {ft.lr_first:g}x (its first) to 1x (the classifier)" if ft.lr_first < 1 else "")
+    return recipe, [network_line(recipe.model, model) + weights + size + tuned]
 
 
 def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str], None] | None = None,

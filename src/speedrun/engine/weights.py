@@ -53,7 +53,10 @@ def settle_model(recipe: Recipe) -> tuple[Recipe, list[str]]:
                               "folder, a weights file, torchvision:NAME or timm:NAME), or set finetune.head_epochs=0")
         return recipe, []
     raw = recipe.to_dict()
-    raw["model"] = model_section(pre, recipe.model.init)
+    section = model_section(pre, recipe.model.init)
+    if pre.model.get("name") == "timm" and recipe.model.name == "timm":    # how to build it stays the recipe's
+        section = {**{k: v for k, v in raw["model"].items() if k != "arch"}, **section}
+    raw["model"] = section
     mine = [o for o in recipe._overrides if o.split("=", 1)[0].strip().startswith("model.")]
     settled = recipe_from_dict(apply_overrides(raw, mine), source=f"{recipe.name} with model.init={recipe.model.init}")
     settled._overrides = list(recipe._overrides)

@@ -46,10 +46,10 @@ def source_file(factory: str, trained: bool = False) -> Path:
     if is_file_form(where):
         path = Path(where).expanduser()
         if not path.is_file():
-            todo = ("the run was trained with it: put it back" if trained else
+            fix = ("the run was trained with it: put it back" if trained else
                     "give the path of the .py file that defines the function")
             raise RecipeError(f"model.factory={factory}: no such file {path}"
-                              + ("" if path.is_absolute() else f" (from {Path.cwd()})") + f"; {todo}")
+                              + ("" if path.is_absolute() else f" (from {Path.cwd()})") + f"; {fix}")
         return path.resolve()
     module = _import_module(factory, where)
     file = getattr(module, "__file__", None)

@@ -191,8 +191,12 @@ def apply_timm_weights(model: nn.Module, cfg, pretrained, in_channels: int, num_
     if in_channels != pretrained.in_channels and first:
         notes.append(f"first layer {first} adapted from {pretrained.in_channels} to {in_channels} input channels by "
                      "timm (summed over the colours for grey images)")
-    resampled = [k for k, v in state.items() if k in pretrained.state and k != f"{first}.weight"
-                 and tuple(v.shape) != tuple(pretrained.state[k].shape)]
+    def changed(key: str, tensor: torch.Tensor) -> bool:
+        was = pretrained.state.get(key)
+        if was is None or tuple(tensor.shape) == tuple(was.shape):
+            return False
+        return key != f"{first}.weight" or tuple(tensor.shape[2:]) != tuple(was.shape[2:])    # (not the channels alone)
+    resampled = [k for k, v in state.items() if changed(k, v)]
     if resampled:
         notes.append(f"resampled by timm for this network's size: {', '.join(resampled[:3])}"
                      + (f" and {len(resampled) - 3} more" if len(resampled) > 3 else ""))

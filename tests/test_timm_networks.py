@@ -1,0 +1,213 @@
+"""timm's networks (model.name = "timm"): four families trained from random weights on the 32 px
+CIFAR-10 images, fine-tuned from weights timm itself saved (model.init = timm:NAME=FILE), their
+blocks and classifier as timm groups them, and the refusals. timm needs torchvision, which cannot
+be imported beside the CPU torch of .venv/: these run in .venv-2.14 (.ci/run), and skip elsewhere.
+
+The accuracy margins were measured on a 2-core AMD EPYC under torch 2.14.1 and timm 1.0.31, test
+accuracy on 512 test images against a bar of 14.0% (chance + 3 standard errors), seeds 0, 1, 2
+(``SPEEDRUN_TEST_SEED``); each test names its own."""
+import json
+
+import pytest
+import torch
+from matrix import bar
+from networks import RECIPE, one_error_line, recipe_file
+from small_data import learning_seed
+
+from speedrun.errors import CheckpointError, RecipeError
+from speedrun.models import build_model, classifier_names
+from speedrun.models.pretrained import apply_weights, open_weights
+from speedrun.optim.params import blocks, head_of
+from speedrun.recipe import load_recipe
+
+timm = pytest.importorskip("timm", reason="timm is not installed")
+
+
+def trained(cli, capsys, tmp_path, npz32, model: dict, *sets: str, init: str | None = None, **sections):
+    """A run of the small recipe with this timm network: (summary, its start lines)."""
+    recipe = recipe_file(tmp_path, model, **sections)
+    args = ["train", recipe, "--data-dir", npz32, "--device", "cpu", "--out", tmp_path / "run",
+            "--seed", learning_seed(), *sum((["--set", s] for s in sets), [])]
+    from speedrun import cli as speedrun_cli
+    capsys.readouterr()
+    rc = speedrun_cli.main([str(a) for a in args + (["--init", init] if init else [])])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = [line for line in out.out.splitlines() if line.startswith("speedrun: ")]
+    return json.loads((tmp_path / "run" / "summary.json").read_text()), lines
+
+
+# ------------------------------------------------------------------------------------------
+# Four families from random weights
+# ------------------------------------------------------------------------------------------
+
+FAMILIES = {
+    # narrower than the published widths (model.args), so that each run takes seconds
+    "resnet10t": ({"arch": "resnet10t", "args": {"channels": [16, 32, 64, 128], "stem_width": 8}}, {}),
+    "convnext_atto": ({"arch": "convnext_atto", "args": {"dims": [16, 32, 64, 128]}}, {}),
+    # (6 epochs: the depthwise blocks start slowly from timm's initialisation at 32 px)
+    "mobilenetv3_small_050": ({"arch": "mobilenetv3_small_050"}, {"train": {"epochs": 6, "label_smoothing": 0.1},
+                                                                 "optim": {"lr": 2.0, "ref_batch": 256}}),
+    # 4 patches a side, 4 blocks
+    "vit_tiny_patch16_224": ({"arch": "vit_tiny_patch16_224", "img_size": 32, "args": {"patch_size": 8, "depth": 4}},
+                             {"train": {"epochs": 3, "label_smoothing": 0.1}, "optim": {"lr": 2.0, "ref_batch": 256}}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_timm_networks_of_four_families_learn_from_random_weights(npz32, tmp_path, cli, capsys, family):
+    """Seeds 0, 1, 2: resnet10t 27.3%, 27.3%, 30.1%; convnext_atto 28.3%, 22.7%, 29.1%;
+    mobilenetv3_small_050 20.1%, 18.4%, 20.3%; vit_tiny_patch16_224 29.5%, 26.8%, 25.6% (bar 14.0%)."""
+    model, sections = FAMILIES[family]
+    sections = {**sections, "optim": {**RECIPE["optim"], **sections.get("optim", {})}}
+    summary, lines = trained(cli, capsys, tmp_path, npz32, {"name": "timm", **model}, **sections)
+    assert summary["test_acc"] > bar(10, 512), (family, summary["test_acc"])
+    network = next(line for line in lines if line.startswith("speedrun: network: timm"))
+    assert f" {family}" in network and "from random weights (timm's own initialisation)" in network
+    assert "trained at 32 px, evaluated at 32 px" in network
+    assert load_recipe(str(tmp_path / "run" / "config.toml")).model.arch == family
+
+
+# ------------------------------------------------------------------------------------------
+# Blocks and the classifier, as timm groups them
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["convnext_atto", "mobilenetv3_small_050", "vit_tiny_patch16_224"])
+def test_blocks_and_classifier_are_timms_own(arch):
+    from timm.models import group_parameters
+    cfg = load_recipe("fashion-mnist", ["model.name=timm", f"model.arch={arch}"]).model
+    with torch.device("meta"):
+        model = build_model(cfg, 3, 7)
+    block, names = blocks(model), {id(p): n for n, p in model.named_parameters()}
+    by_name = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+    assert {names[i]: b for i, b in block.items()} == by_name
+    clf = model.get_classifier()
+    assert head_of(model) == {id(p) for p in clf.parameters()}
+    assert max(block.values()) == max(block[id(p)] for p in clf.parameters())     # the classifier last
+    assert set(classifier_names(model)) == {f"{n}.{k}" for n, m in model.named_modules() if m is clf
+                                            for k in m.state_dict()}
+
+
+# ------------------------------------------------------------------------------------------
+# Fine-tuning from weights timm saved
+# ------------------------------------------------------------------------------------------
+
+SLOWER = {"train": {"epochs": 6, "label_smoothing": 0.1}, "optim": {**RECIPE["optim"], "lr": 2.0}}
+FINETUNED = {
+    "convnext_atto": ({}, {}),
+    "mobilenetv3_small_050": ({}, SLOWER),
+    "vit_tiny_patch16_224": ({"img_size": 32, "args": {"patch_size": 8}},
+                             {**SLOWER, "train": {"epochs": 3, "label_smoothing": 0.1}}),
+}
+
+
+@pytest.fixture(scope="module")
+def timm_weights(tmp_path_factory):
+    """Each architecture's weights as timm makes and saves them (random: no hub is reachable)."""
+    folder = tmp_path_factory.mktemp("timm-weights")
+    for arch in FINETUNED:
+        torch.manual_seed(0)
+        torch.save(timm.create_model(arch, pretrained=False).state_dict(), folder / f"{arch}.pth")
+    return folder
+
+
+@pytest.mark.parametrize("arch", list(FINETUNED))
+def test_weights_timm_saved_load_into_its_network_for_the_data(timm_weights, arch):
+    path = timm_weights / f"{arch}.pth"
+    pre = open_weights(f"timm:{arch}={path}")
+    assert pre.model == {"name": "timm", "arch": arch} and pre.num_classes == 1000
+    net_cfg = timm.create_model(arch).pretrained_cfg
+    assert pre.mean == [255 * m for m in net_cfg["mean"]]
+    assert pre.eval_crop == (net_cfg.get("test_crop_pct") or net_cfg["crop_pct"])   # (with its test_input_size)
+    extra, _ = FINETUNED[arch]
+    cfg = load_recipe("fashion-mnist", ["model.name=timm", f"model.arch={arch}",
+                                         *(f"model.{k}={json.dumps(v) if k != 'args' else _table(v)}"
+                                           for k, v in extra.items())]).model
+    torch.manual_seed(1)
+    model = build_model(cfg, 1, 10)                     # grey images, 10 classes
+    fresh_head = {k: v.clone() for k, v in model.state_dict().items() if k in classifier_names(model)}
+    notes = apply_weights(model, pre, 1, 10, None, cfg)
+    assert any("head replaced for 10 classes" in n for n in notes) and any("adapted from 3 to 1" in n for n in notes)
+    state, saved = model.state_dict(), torch.load(path, weights_only=True)
+    first = net_cfg["first_conv"] + ".weight"
+    for key, tensor in state.items():
+        if key in fresh_head:
+            assert torch.equal(tensor, fresh_head[key]), key          # the model's own new classifier
+        elif key == first:
+            if tensor.shape[2:] == saved[key].shape[2:]:
+                assert torch.allclose(tensor, saved[key].sum(1, keepdim=True)), key     # summed over the colours
+        elif tensor.shape == saved[key].shape:
+            assert torch.equal(tensor, saved[key]), key
+        else:
+            assert arch.startswith("vit") and key == "pos_embed", key  # resampled by timm to 4 x 4 patches
+    if arch.startswith("vit"):
+        assert any("resampled by timm" in n and "pos_embed" in n for n in notes)
+
+
+def _table(d: dict) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + "}"
+
+
+@pytest.mark.parametrize("arch", list(FINETUNED))
+def test_fine_tuning_from_weights_timm_saved_learns(npz32, tmp_path, cli, capsys, timm_weights, arch):
+    """Seeds 0, 1, 2: convnext_atto (2 epochs) {convnext}; mobilenetv3_small_050 (6) {mobilenet};
+    vit_tiny_patch16_224 at 32 px, patch 8 (3) {vit} (bar 14.0%)."""
+    extra, sections = FINETUNED[arch]
+    summary, lines = trained(cli, capsys, tmp_path, npz32, {"name": "timm", "arch": arch, **extra},
+                             init=f"timm:{arch}={timm_weights / f'{arch}.pth'}",
+                             finetune={"head_epochs": 0.5, "lr_first": 0.3}, **sections)
+    assert summary["test_acc"] > bar(10, 512), (arch, summary["test_acc"])
+    said = "\n".join(lines)
+    assert f"weights to start from: timm {arch} (timm's own network; weights from {arch}.pth)" in said
+    assert "inputs normalised as the weights were trained" in said and "head replaced for 10 classes" in said
+    assert "fine-tuned: the classifier alone for 0.5 epochs, then each block's LR from 0.3x" in said
+    assert "blocks by timm's group_matcher" in said
+
+
+# ------------------------------------------------------------------------------------------
+# Refusals
+# ------------------------------------------------------------------------------------------
+
+def test_an_unknown_architecture_names_the_field_and_the_close_names(npz32, tmp_path, cli):
+    recipe = recipe_file(tmp_path, {"name": "timm", "arch": "convnxt_atto"})
+    rc, err = cli("train", recipe, "--data-dir", npz32, "--device", "cpu", "--out", tmp_path / "run")
+    line = one_error_line(err)
+    assert rc == 2 and "model.arch = 'convnxt_atto' is not one of timm's" in line and "convnext_atto" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sets, field, message", [
+    (["model.arch=convnext_atto", "model.img_size=32"], "model.img_size", "timm's convnext_atto takes no img_size"),
+    (["model.arch=vit_tiny_patch16_224"], "model.arch=vit_tiny_patch16_224",
+     "the network fails on 32 px images"),                       # (built for 224 px: its position embedding)
+    (["model.arch=resnet10t", "model.args={num_classes=3}"], "model.args.num_classes", "leave it out"),
+    (["model.arch=resnet10t", "model.whiten.kernel=2"], "model.whiten", "remove model.whiten"),
+    (["model.arch=resnet10t", "model.norm.scale=frozen"], "model.norm", "remove model.norm"),
+])
+def test_what_a_timm_network_cannot_take_is_one_line_naming_the_field(npz32, tmp_path, cli, sets, field, message):
+    recipe = recipe_file(tmp_path, {"name": "timm", "arch": "resnet10t"})
+    rc, err = cli("train", recipe, "--data-dir", npz32, "--device", "cpu", "--out", tmp_path / "run",
+                  *sum((["--set", s] for s in sets), []))
+    line = one_error_line(err)
+    assert rc == 2 and field in line and message in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_vit_of_one_size_refuses_progressive_sizes_until_told_to_take_any(npz32, tmp_path, cli, capsys):
+    model = {"name": "timm", "arch": "vit_tiny_patch16_224", "img_size": 32, "args": {"patch_size": 8, "depth": 1}}
+    recipe = recipe_file(tmp_path, model)
+    progressive = ["--set", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]"]
+    rc, err = cli("train", recipe, "--data-dir", npz32, "--device", "cpu", "--out", tmp_path / "run", *progressive)
+    line = one_error_line(err)
+    assert rc == 2 and "fails on 24 px images" in line and "dynamic_img_size = true" in line
+    summary, _ = trained(cli, capsys, tmp_path, npz32, {**model, "args": {**model["args"], "dynamic_img_size": True}},
+                         "data.progressive=[[0.0, 0.75], [0.5, 1.0]]", "train.epochs=1")
+    assert summary["epochs"] == 1
+
+
+def test_weights_of_another_architecture_are_refused_in_one_line(timm_weights):
+    with pytest.raises(CheckpointError) as err:
+        open_weights(f"timm:convnext_femto={timm_weights / 'convnext_atto.pth'}")
+    assert "not the weights of timm's convnext_femto (" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(RecipeError, match="model.args.in_chans is set by the data"):
+        load_recipe("fashion-mnist", ["model.name=timm", "model.arch=resnet10t", "model.args={in_chans=1}"])
