@@ -163,6 +163,34 @@ def test_weights_that_do_not_fit_the_model_name_the_first_tensor(tmp_path):
         apply_weights(speedrun_model(pre.model, 4, 10), pre, 4, 10)
 
 
+def test_a_misshapen_or_missing_tensor_of_a_resnet_file_is_named_as_the_file_names_it(tmp_path, cli, data_dir):
+    files = tmp_path / "files"
+    files.mkdir()
+    plain = torch.load(saved_foreign(build_model(ResNetConfig(depth=18), 3, 10), files / "r18.pth"))
+    torch.save({**plain, "layer3.1.conv2.weight": torch.zeros(256, 256, 1, 1)}, files / "r18.pth")  # 3x3 in one
+    torch.save({**plain, "layer4.1.bn3.weight": torch.zeros(512)}, files / "extra.pth")  # basic blocks have two BNs
+    deep = torch.load(saved_foreign(build_model(ResNetConfig(depth=18, variant="d"), 3, 10), files / "r18d.pth",
+                                    deep_stem=True))
+    del deep["layer2.0.downsample.2.weight"]                           # timm's name of the projection's BN
+    torch.save(deep, files / "r18d.pth")
+    before = listing(tmp_path)
+    assert one_line_refusal(files / "r18d.pth").endswith(
+        ": the weights are not a ResNet-18 speedrun builds (missing tensor layer2.0.downsample.2.weight (speedrun's "
+        "stages.1.0.shortcut.2.weight), 128 in the model); speedrun loads its own runs and ResNet-18/34/50/101 in "
+        "torchvision's or timm's layout (resnet18-101, resnet18d-101d)")
+    assert one_line_refusal(files / "extra.pth").endswith(
+        "(unexpected tensor layer4.1.bn3.weight (speedrun's stages.3.1.bn3.weight), 512 in the weights: the model has "
+        "no such tensor); speedrun loads its own runs and ResNet-18/34/50/101 in torchvision's or timm's layout "
+        "(resnet18-101, resnet18d-101d)")
+    rc, err = cli("train", "fashion-mnist", "--data-dir", data_dir, "--init", files / "r18.pth", "--out",
+                  tmp_path / "run")
+    assert rc == 1 and err.count("speedrun: error: ") == 1 and "Traceback" not in err, err
+    assert (f"model.init={files / 'r18.pth'}: the weights are not a ResNet-18 speedrun builds (tensor "
+            "layer3.1.conv2.weight (speedrun's stages.2.1.conv2.weight) is 256x256x1x1 in the weights but "
+            "256x256x3x3 in the model)") in err
+    assert listing(tmp_path) == before
+
+
 # ------------------------------------------------------------------------------------------
 # A speedrun run
 # ------------------------------------------------------------------------------------------
