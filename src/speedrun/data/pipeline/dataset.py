@@ -106,7 +106,8 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
         # an unknown field names the model the data chose, and lists that model's fields
         source = f"{recipe.name} with what the data chose ({c.reasons[0]})"
         raw = apply_overrides(set_values(raw, c.values, source), list(user or []))
-        recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source)
+        recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source,
+                                  overrides=list(user or []), over_source=True)
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
         reasons = c.reasons + ([f"kept as set: {', '.join(kept)}"] if kept else [])
         return recipe, reasons
