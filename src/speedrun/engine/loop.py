@@ -173,8 +173,8 @@ class Session:
                                  self.shard) if runtime.compile else None
         if recipe.train.stop_at_target and not self.holdout_images:
             raise RecipeError("train.stop_at_target checks the target on a validation split held out of the "
-                              "training images, and this data has none: open it with open_source, which holds "
-                              "out data.holdout of them")
+                              "training images, and the data given to this run holds none out: open the data with "
+                              "train.stop_at_target on in its recipe, which holds out data.holdout of each class")
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
