@@ -488,10 +488,10 @@ def test_timm_resnets_load_and_compute_what_timm_computes(tmp_path, arch, varian
     assert all(torch.equal(tagged.state[k], pre.state[k]) for k in pre.state)
 
 
-def test_timm_refuses_other_architectures_wrong_files_and_says_what_to_do_offline(tmp_path):
+def test_timm_refuses_unknown_names_wrong_files_and_says_what_to_do_offline(tmp_path):
     timm = pytest.importorskip("timm", reason="timm is not installed (.venv-2.14 has it)")
-    assert "timm's convnext_tiny is not a ResNet: speedrun fine-tunes ResNets" in one_line_refusal("timm:convnext_tiny")
     assert "timm has no model 'resnet5'" in one_line_refusal("timm:resnet5")
+    assert "did you mean convnext_atto" in one_line_refusal("timm:convnxt_atto")
     path = tmp_path / "r18.pth"
     torch.save(timm.create_model("resnet18").state_dict(), path)
     assert ("not the weights of timm's resnet50d (missing tensor conv1.0.weight"

@@ -78,7 +78,8 @@ def _recipe_options(p, out_help: str, optional: bool = False, log: bool = True) 
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--seed", type=int, help="seed (train.seed); bench and ablate use seed, seed+1, ...")
     p.add_argument("--init", metavar="WEIGHTS", help="weights to start from and fine-tune (model.init): a speedrun run "
-                   "folder, a .pt/.pth/.safetensors ResNet file, torchvision:NAME.WEIGHTS or timm:NAME")
+                   "folder, a .pt/.pth/.safetensors ResNet file, torchvision:NAME.WEIGHTS or timm:NAME[=FILE] (any of timm's "
+                   "architectures)")
     if out_help:
         p.add_argument("--out", type=Path, help=out_help)
     if log:

@@ -275,7 +275,99 @@ class ResNetConfig(Section):
         return self
 
 
-ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig], Field(discriminator="name")]
+SPEEDRUN_NET_FIELDS = {
+    "whiten": "the speed net's patch-whitening layer", "norm": "the batch-norm options of speedrun's own networks "
+    "(ghost batches, a frozen scale, fp32, statistics across processes)", "global_pool_grad": "the speed net's "
+    "global max-pool backward", "widths": "the speed net's widths", "convs": "the speed net's layers per block",
+    "residual": "the speed net's residual branches", "stem_width": "the speed net's 1x1 stem",
+    "activation": "the speed net's activation", "celu_alpha": "the speed net's CELU", "out_scale": "the speed "
+    "net's logit multiplier", "identity_init": "the speed net's Dirac initialisation", "depth": "speedrun's ResNet "
+    "depth", "stem": "speedrun's ResNet stem", "variant": "speedrun's ResNet tweaks", "preact": "speedrun's "
+    "pre-activation ResNet", "width": "speedrun's ResNet width", "zero_gamma": "speedrun's ResNet zero-gamma "
+    "initialisation", "antialias": "speedrun's ResNet anti-aliasing"}
+"""Fields of the speed net and speedrun's ResNet, which another network does not have (named
+when they are set for one)."""
+
+
+class OtherNetwork(Section):
+    """A network speedrun does not build itself (timm's, or a user's): what the engine asks of it
+    is what any torch module answers."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_speedrun_fields(cls, raw):
+        if isinstance(raw, dict):
+            kind = raw.get("name")
+            for key in raw:
+                if key in SPEEDRUN_NET_FIELDS:
+                    what = SPEEDRUN_NET_FIELDS[key]
+                    own = "model.args" if kind == "timm" else "model.args (passed to your factory)"
+                    raise ValueError(f"model.{key} is {what}; model.name = {kind!r} builds another network, which has "
+                                     f"no such option: remove model.{key} (options of the network itself go in {own})")
+        return raw
+
+    @property
+    def norm(self) -> NormConfig:
+        """What the engine assumes of this network's batch norms: torch's own, each process
+        normalising its own batch, in the compute dtype (none of speedrun's options)."""
+        return NormConfig(fp32=False)
+
+
+class TimmConfig(OtherNetwork):
+    name: Literal["timm"] = "timm"
+    arch: str = Field(description="any model timm.create_model knows (timm.list_models()), e.g. convnext_atto, "
+                      "resnet18, mobilenetv3_small_050, vit_tiny_patch16_224")
+    drop_path_rate: float = Field(0.0, ge=0, lt=1, description="stochastic depth: the rate at the last block "
+                                  "(timm's drop_path_rate); 0 = off")
+    drop_rate: float = Field(0.0, ge=0, lt=1, description="dropout before the classifier (timm's drop_rate); 0 = off")
+    img_size: int = Field(0, ge=0, description="the input side of networks built for one size (ViTs: their "
+                          "position embedding); 0 = timm's default for the architecture")
+    args: dict[str, Any] = Field(default_factory=dict, description="more keyword arguments for timm.create_model "
+                                 "(e.g. {patch_size = 4} or {dynamic_img_size = true})")
+    init: str = Field("default", description=INIT_DESCRIPTION.format(schemes="default (timm's own initialisation)"))
+
+    @model_validator(mode="after")
+    def _check(self):
+        _plain_init(self.init)
+        if self.init in ("kaiming", "xavier"):
+            raise ValueError(f"model.init = {self.init} is speedrun's ResNet's scheme; a timm network starts from "
+                             "timm's own initialisation (default) or from weights")
+        if not self.arch.strip():
+            raise ValueError("model.arch is empty: name one of timm's models (timm.list_models())")
+        taken = {"num_classes", "in_chans", "pretrained", "drop_path_rate", "drop_rate", "img_size"} & set(self.args)
+        if taken:
+            key = sorted(taken)[0]
+            where = f"model.{key}" if key in ("drop_path_rate", "drop_rate", "img_size") else "the data (classes and channels) and model.init"
+            raise ValueError(f"model.args.{key} is set by {where}: leave it out of model.args")
+        return self
+
+
+class CustomConfig(OtherNetwork):
+    name: Literal["custom"] = "custom"
+    factory: str = Field(description="your network: 'package.module:function' or 'path/to/file.py:function', "
+                         "called as function(in_channels, num_classes, **model.args) and returning a torch.nn.Module")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+    factory_sha256: str = Field("", description="the SHA-256 of the factory's source file, filled in when a run "
+                                "starts (its config.toml and checkpoint keep it): resuming, predicting, evaluating "
+                                "and exporting refuse a run whose factory file has changed since; empty = not checked")
+    init: str = Field("default", description="default (the factory's own initialisation), or a speedrun run "
+                      "folder of the same factory to start from")
+
+    @model_validator(mode="after")
+    def _check(self):
+        _plain_init(self.init)
+        if self.init in ("kaiming", "xavier"):
+            raise ValueError(f"model.init = {self.init} is speedrun's ResNet's scheme; your network starts from its "
+                             "factory's own initialisation (default) or from a run's weights")
+        if ":" not in self.factory.strip(":") or self.factory.rsplit(":", 1)[1].strip() == "":
+            raise ValueError(f"model.factory = {self.factory!r} names no function: give 'package.module:function' "
+                             "or 'path/to/file.py:function'")
+        if self.factory_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.factory_sha256):
+            raise ValueError("model.factory_sha256 is not a SHA-256 (64 hex digits); leave it empty, a run fills it in")
+        return self
+
+
+ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig, TimmConfig, CustomConfig], Field(discriminator="name")]
 
 
 class OptimConfig(Section):
@@ -572,6 +664,12 @@ class Recipe(Section):
         if self.data.prune and (a.mixup or a.cutmix):
             raise ValueError(f"data.prune={self.data.prune} weighs each image's own loss, which mixed images "
                              "(augment.mixup, augment.cutmix) do not have: turn one of them off")
+        o = self.optim
+        if self.model.name in ("timm", "custom") and o.whiten_bias_lr_mult != OptimConfig.model_fields[
+                "whiten_bias_lr_mult"].default:
+            raise ValueError(f"optim.whiten_bias_lr_mult = {o.whiten_bias_lr_mult!r} is the LR multiplier of the speed "
+                             f"net's whitening bias; model.name = {self.model.name!r} has no whitening layer: leave it "
+                             "at the default")
         d, t = self.data, self.train
         if ("holdout" in d.model_fields_set and d.holdout != DataConfig.model_fields["holdout"].default
                 and not t.stop_at_target and "stop_at_target" not in t.model_fields_set):
@@ -660,8 +758,21 @@ def set_values(raw: dict, values: Mapping[str, Any], source: str = "recipe") -> 
     return raw
 
 
+def new_network(raw: dict, overrides: list[str]) -> str | None:
+    """The ``model.name`` the ``--set`` texts give ``raw`` where it is another kind of network
+    than the recipe's, else None."""
+    names = [value for path, value in map(parse_override, overrides) if path == ["model", "name"]]
+    model = raw.get("model")
+    have = model.get("name") if isinstance(model, dict) else None
+    return names[-1] if names and names[-1] != have else None
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """``raw`` with the user's ``--set key=value`` texts applied in order (unvalidated)."""
+    """``raw`` with the user's ``--set key=value`` texts applied in order (unvalidated). A
+    ``model.name`` of another kind of network starts the [model] section afresh: the recipe's
+    fields of its own network do not carry over to the new one."""
+    if new_network(raw, overrides) is not None:
+        raw["model"] = {}
     for text in overrides:
         path, value = parse_override(text)
         set_value(raw, ".".join(path), value, f"--set {text}")
@@ -805,7 +916,7 @@ def describe_errors(err: ValidationError, source: str, overrides: Sequence[str] 
     return "; ".join(f"{where}: " + "; ".join(msgs) for where, msgs in lines.items())
 
 
-_TAGS = {"speednet", "resnet", "piecewise", "onecycle", "cosine", "step", "poly"}
+_TAGS = {"speednet", "resnet", "timm", "custom", "piecewise", "onecycle", "cosine", "step", "poly"}
 
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:

@@ -119,6 +119,8 @@ def _size_fields(cfg) -> str:
     """The model fields that set its size, with their values."""
     if cfg.name == "resnet":
         return f"model.width={cfg.width} with model.depth={cfg.depth}"
+    if cfg.name in ("timm", "custom"):
+        return f"model.arch={cfg.arch}" if cfg.name == "timm" else f"model.factory={cfg.factory}"
     return f"model.widths={list(cfg.widths)}" + (f" with model.stem_width={cfg.stem_width}" if cfg.stem_width else "")
 
 
@@ -133,8 +135,8 @@ def check_model_fits(cfg, parameters: int, available: int, device) -> None:
     if needed <= available:
         return
     fields = _size_fields(cfg)
-    fix = ("lower model.width or model.depth" if cfg.name == "resnet" else
-           "lower model.widths" + (" or model.stem_width" if cfg.stem_width else ""))
+    fix = ("lower model.width or model.depth" if cfg.name == "resnet" else "choose a smaller network"
+           if cfg.name in ("timm", "custom") else "lower model.widths" + (" or model.stem_width" if cfg.stem_width else ""))
     raise RecipeError(f"{fields} makes a model of {parameters:,} parameters, which needs at least {_gib(needed)} "
                       f"to train ({BYTES_PER_PARAMETER} bytes per parameter: weights, gradients, optimizer state "
                       f"and the averaged copy) but {device} has {_gib(available)}; {fix} so that it fits")

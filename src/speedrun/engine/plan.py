@@ -21,8 +21,10 @@ import torch
 
 from ..data.pipeline.dataset import open_source
 from ..data.sources.holdout import holdout_images
+from ..models.custom import recorded
+from ..models.network_check import check_network, network_line
 from ..optim.orthogonal import ns_dtype
-from ..recipe import Recipe, steps_per_epoch, total_steps
+from ..recipe import Recipe, init_is_weights, steps_per_epoch, total_steps
 from .batch_finder import fit_batch as fit_batch_to
 from .build import build_for_run, snapshot, teacher_for, train_step_for
 from .compiling import CompilePlan, compile_cache_location, compile_plan_line
@@ -104,6 +106,29 @@ def newton_schulz_dtype(recipe: Recipe, runtime: Runtime) -> str | None:
                               runtime.precision) == torch.bfloat16 else "fp32"
 
 
+def run_sides(recipe: Recipe, source) -> list[int]:
+    """Every image side the run feeds its network: each training side and the evaluation's."""
+    steps = total_steps(recipe, len(source.train_y))
+    epochs = math.ceil(steps / steps_per_epoch(len(source.train_y), recipe.data.batch_size))
+    evaluated = getattr(source, "eval_size", None) or source.image_size
+    return sorted(set(run_image_sides(recipe, source.image_size[0], epochs)) | {evaluated[0]})
+
+
+def checked_network(recipe: Recipe, source) -> tuple[Recipe, list[str]]:
+    """A network speedrun does not build itself (timm's, your factory), checked against the
+    data before anything of the run is written: built (shapes only) and run on two images of
+    each side the run uses, it must answer one logit per class. Your factory's file is recorded
+    in the recipe (its absolute path and SHA-256). The line that says which network it is."""
+    if recipe.model.name == "custom":
+        recipe = recipe.with_values(recorded(recipe.model))
+    model = check_network(recipe.model, source.in_channels, source.num_classes, run_sides(recipe, source))
+    if model is None:
+        return recipe, []
+    weights = "" if init_is_weights(recipe.model.init) else " from random weights (" + (
+        "timm's own initialisation)" if recipe.model.name == "timm" else "your factory's initialisation)")
+    return recipe, [network_line(recipe.model, model) + weights]
+
+
 def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str], None] | None = None,
              announce: bool = False, fit_batch: bool = True) -> Plan:
     """Open the data, resolve the runtime and fit the batch, once, in that order.
@@ -116,7 +141,8 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
     t0 = time.perf_counter()
     recipe, source = open_source(recipe, data_dir, say, start_of(recipe))
     recipe, started = settle_model(recipe)
-    started += normalise_as_trained(source, weights_for(recipe)) + loaded_lines(recipe, source)
+    recipe, network = checked_network(recipe, source)
+    started += normalise_as_trained(source, weights_for(recipe)) + loaded_lines(recipe, source) + network
     opened = time.perf_counter() - t0
     choices = []
     if getattr(source, "choices", None):

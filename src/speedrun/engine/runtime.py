@@ -231,6 +231,9 @@ def _cpu_compile_choice(model: str | None, precision: str, steps: int | None, no
                       f"per step on a Zen 4; pays for its compilation after about {cpu_resnet_pays_after()} steps)")
     if model is None or steps is None:
         return False, "compile off: eager on CPUs unless the run is known to pay for compiling"
+    if model not in ("speednet", "resnet"):
+        return False, (f"compile off: speedrun has not timed {'timm' if model == 'timm' else 'your'} networks compiled "
+                       "on a CPU, so they run eager (runtime.compile=on compiles them)")
     why = ("a speed net runs no faster compiled on a CPU" if model == "speednet" else
            f"a ResNet in {precision} gains too little on a CPU" if precision != "bf16" else
            f"{steps} steps do not pay for compiling a ResNet (at least {CPU_COMPILE_MIN_STEPS})")

@@ -38,7 +38,7 @@ def start_of(recipe: Recipe) -> dict | None:
     if pre is None:
         return None
     return {"model": model_section(pre, recipe.model.init), "image_size": pre.image_size,
-            "eval_size": pre.eval_size, "description": pre.description}
+            "eval_size": pre.eval_size, "eval_crop": pre.eval_crop, "description": pre.description}
 
 
 def settle_model(recipe: Recipe) -> tuple[Recipe, list[str]]:
@@ -85,7 +85,7 @@ def load_into(model: nn.Module, recipe: Recipe, in_channels: int, num_classes: i
     pre = weights_for(recipe)
     if pre is None:
         return []
-    return apply_weights(model, pre, in_channels, num_classes, classes)
+    return apply_weights(model, pre, in_channels, num_classes, classes, recipe.model)
 
 
 def loaded_lines(recipe: Recipe, source) -> list[str]:

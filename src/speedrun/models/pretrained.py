@@ -27,15 +27,15 @@ import torch.nn as nn
 from ..errors import CheckpointError, SpeedrunError
 from ..files import cache_root, expect, read_json_record
 from ..recipe import SCHEMES, ResNetConfig, SpeedNetConfig, load_recipe
-from . import build_model
+from . import build_model, classifier_names
 from . import published_weights as published
 from .resnet_layouts import LOADABLE, first_misfit, is_resnet_layout, to_speedrun
 from .whitening import PatchWhitening
 
 RUN_FILES = ("config.toml", "model.pt", "preprocessing.json")
 SOURCES = ("a speedrun run folder or its model.pt, a .pt/.pth/.safetensors file of ResNet weights (torchvision's "
-           "or timm's layout), torchvision:NAME (e.g. torchvision:resnet50.IMAGENET1K_V2) or timm:NAME "
-           "(e.g. timm:resnet50.a1_in1k)")
+           "or timm's layout), torchvision:NAME (e.g. torchvision:resnet50.IMAGENET1K_V2) or timm:NAME[=FILE] "
+           "(any of timm's architectures, e.g. timm:convnext_atto.d2_in1k)")
 
 
 @dataclass
@@ -59,6 +59,8 @@ class Pretrained:
     std: list[float] | None
     image_size: int | None
     eval_size: int | None
+    eval_crop: float | None = None        # the centre crop they were evaluated with (timm's crop_pct), where known
+    first_conv: str | None = None         # their first convolution's name, where known (timm's pretrained_cfg)
 
 
 def open_weights(spec: str, cache_dir: str | Path | None = None) -> Pretrained:
@@ -110,7 +112,8 @@ def _from_run(spec: str, folder: Path) -> Pretrained:
     state = read_weights_file(folder / "model.pt")
     channels, classes = pre["channels"], pre["classes"]
     with torch.device("meta"):                            # shapes only
-        expected = build_model(recipe.model, channels, len(classes)).state_dict()
+        built = build_model(recipe.model, channels, len(classes))
+    expected = built.state_dict()
     misfit = first_misfit(expected, state)
     if misfit:
         raise CheckpointError(f"{folder / 'model.pt'}: the weights do not fit the model its config.toml builds "
@@ -118,7 +121,7 @@ def _from_run(spec: str, folder: Path) -> Pretrained:
     model = {k: v for k, v in recipe.to_dict()["model"].items() if k != "init"}
     side = pre["image_size"][0]
     trained = recipe.data.image_size if recipe.data.dataset == "folder" and recipe.data.image_size else side
-    return Pretrained(spec, _run_line(folder, recipe, classes), model, state, _head(state), channels,
+    return Pretrained(spec, _run_line(folder, recipe, classes), model, state, classifier_names(built), channels,
                       len(classes), classes, pre["mean"], pre["std"], int(trained), side)
 
 
@@ -141,7 +144,8 @@ def _preprocessing(path: Path) -> dict:
 
 def _run_line(folder: Path, recipe, classes: list[str]) -> str:
     m = recipe.model
-    net = _resnet_name(m) if m.name == "resnet" else f"speed net {'/'.join(map(str, m.widths))}"
+    net = {"resnet": lambda: _resnet_name(m), "speednet": lambda: f"speed net {'/'.join(map(str, m.widths))}",
+           "timm": lambda: f"timm {m.arch}", "custom": lambda: f"model.factory={m.factory}"}[m.name]()
     accuracy = ""
     try:
         acc = json.loads((folder / "summary.json").read_text(encoding="utf-8")).get("test_acc")
@@ -165,14 +169,16 @@ def _from_torchvision(spec: str, name: str, cache_dir: str | Path | None) -> Pre
 
 def _from_timm(spec: str, rest: str) -> Pretrained:
     """timm:NAME (timm fetches the weights) or timm:NAME=FILE (speedrun reads FILE, weights
-    only, and checks it is NAME's); timm says how they were trained (its pretrained_cfg)."""
+    only, and checks it is NAME's); timm says how they were trained (its pretrained_cfg). A
+    ResNet speedrun builds itself is converted to speedrun's ResNet; any other architecture
+    stays timm's network (``model.name = "timm"``)."""
     timm = published.import_timm(spec)
     name, _, file = rest.partition("=")
     path = Path(file).expanduser() if file else None
     if path is not None and not path.is_file():
         raise CheckpointError(f"no such file {path} (timm:NAME=FILE names a local copy of timm's weights)")
     net = published.timm_model(timm, name)
-    _converted(net.state_dict(), Path(name))              # a ResNet speedrun builds? (before fetching anything)
+    native = _speedrun_builds(net.state_dict())           # (decided before fetching anything)
     if path is None:
         net = published.timm_pretrained(timm, name)
     else:
@@ -181,11 +187,38 @@ def _from_timm(spec: str, rest: str) -> Pretrained:
         if misfit:
             raise CheckpointError(f"{path}: not the weights of timm's {name} ({misfit})")
         net.load_state_dict(state)
-    cfg, converted = _converted(net.state_dict(), Path(name))
     seen = published.timm_preprocessing(net)
+    if not native:
+        return _timm_network(spec, name, net, path, seen)
+    cfg, converted = _converted(net.state_dict(), Path(name))
     line = f"{_resnet_name(cfg)} (timm {name} weights{f' from {path.name}' if path else ''})"
     return _resnet(spec, cfg, converted, line, mean=seen["mean"], std=seen["std"], image_size=seen["image_size"],
                    eval_size=seen["eval_size"])
+
+
+def _speedrun_builds(state: dict[str, torch.Tensor]) -> bool:
+    """Whether timm weights are those of a ResNet speedrun's own ResNet takes (converted to it)."""
+    if not is_resnet_layout(state):
+        return False
+    try:
+        to_speedrun(state)
+    except CheckpointError:                               # (resnet10t, resnet26, ...: timm's network instead)
+        return False
+    return True
+
+
+def _timm_network(spec: str, name: str, net: nn.Module, path: Path | None, seen: dict) -> Pretrained:
+    """Weights of one of timm's architectures, for timm's own network (``model.name = "timm"``)."""
+    arch = name.split(".", 1)[0]
+    cfg = net.pretrained_cfg or {}
+    first = cfg.get("first_conv")
+    first = first[0] if isinstance(first, (tuple, list)) else first
+    state = net.state_dict()
+    in_channels = int(state[f"{first}.weight"].shape[1]) if first and f"{first}.weight" in state else 3
+    classes = int(getattr(net, "num_classes", 0) or cfg.get("num_classes") or 0)
+    line = f"timm {name} (timm's own network; weights {'from ' + path.name if path else 'from timm'})"
+    return Pretrained(spec, line, {"name": "timm", "arch": arch}, state, classifier_names(net), in_channels, classes, None,
+                      seen["mean"], seen["std"], seen["image_size"], seen["eval_size"], seen.get("crop"), first)
 
 
 # ------------------------------------------------------------------------------------------
@@ -329,7 +362,7 @@ def head_line(pretrained: Pretrained, num_classes: int) -> str:
 
 
 def apply_weights(model: nn.Module, pretrained: Pretrained, in_channels: int, num_classes: int,
-                  classes: list[str] | None = None) -> list[str]:
+                  classes: list[str] | None = None, cfg=None) -> list[str]:
     """Load ``pretrained`` into ``model``, a speedrun model built from ``pretrained.model`` for
     data of ``in_channels`` channels and ``num_classes`` classes (named ``classes``). The
     classifier is kept where the classes are the weights' (:func:`keeps_head`), else the
@@ -337,7 +370,16 @@ def apply_weights(model: nn.Module, pretrained: Pretrained, in_channels: int, nu
     folded where the channels differ (3 to 1: summed over the colours, as timm does, so grey
     data gives what the grey image repeated in 3 channels gave; 1 to 3: repeated and divided
     by 3). Returns a line for each thing adapted; raises one CheckpointError line naming the
-    first tensor that is missing, unexpected or misshapen."""
+    first tensor that is missing, unexpected or misshapen. Weights of a timm network are loaded
+    by timm's own loader into the network ``cfg`` (the run's [model] section; default: the
+    weights' own) describes (:func:`~speedrun.models.timm_models.apply_timm_weights`)."""
+    if pretrained.model.get("name") == "timm":
+        from ..recipe import TimmConfig
+        from .timm_models import apply_timm_weights
+        keep = keeps_head(pretrained, num_classes, classes)
+        cfg = cfg if cfg is not None else TimmConfig(**pretrained.model)
+        return ([] if keep else [head_line(pretrained, num_classes)]) + \
+            apply_timm_weights(model, cfg, pretrained, in_channels, num_classes, keep)
     state = dict(pretrained.state)
     notes: list[str] = []
     replaced: frozenset[str] = frozenset()

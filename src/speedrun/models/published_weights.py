@@ -144,13 +144,15 @@ def import_timm(spec: str):
 
 def timm_model(timm, name: str):
     """timm's model ``name`` without weights (its pretrained_cfg says how they were trained),
-    refusing what is not one of timm's ResNets before anything is fetched."""
+    refusing a name timm does not know before anything is fetched."""
     arch = name.split(".", 1)[0]
     if not timm.is_model(arch):
-        raise CheckpointError(f"timm has no model {arch!r}; for ResNets see timm.list_models('resnet*')")
-    if not timm.models.model_entrypoint(arch).__module__.endswith(".resnet"):
-        raise CheckpointError(f"timm's {arch} is not a ResNet: speedrun fine-tunes ResNets (resnet18-101, "
-                              "resnet18d-101d in timm) and its own networks")
+        from .timm_models import check_arch
+        try:
+            check_arch(timm, arch)
+        except Exception as err:                      # the close names, as model.arch's refusal gives them
+            hint = str(err).split("models", 1)[-1]
+            raise CheckpointError(f"timm has no model {arch!r}{hint}") from None
     try:
         return timm.create_model(name, pretrained=False).eval()
     except Exception as err:                          # an unknown weights tag, mostly
@@ -183,5 +185,6 @@ def timm_preprocessing(model) -> dict:
     mean, std = cfg.get("mean", IMAGENET_MEAN), cfg.get("std", IMAGENET_STD)
     size = cfg.get("input_size", (3, 224, 224))[-1]
     test = cfg.get("test_input_size") or cfg.get("input_size") or (3, size, size)
+    crop = cfg.get("test_crop_pct") or cfg.get("crop_pct")
     return {"mean": [255 * m for m in mean], "std": [255 * s for s in std], "image_size": int(size),
-            "eval_size": int(test[-1]), "tag": cfg.get("tag")}
+            "eval_size": int(test[-1]), "tag": cfg.get("tag"), "crop": float(crop) if crop else None}

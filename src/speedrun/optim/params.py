@@ -21,7 +21,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..models import PatchWhitening
+from ..models import PatchWhitening, classifier_layers
+from ..models.timm_models import timm_blocks
 from ..recipe import FinetuneConfig, OptimConfig
 from .base import SGD, Optimizer
 from .layerwise import LAMB, LARS
@@ -50,7 +51,12 @@ def classify(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 def blocks(model: nn.Module) -> dict[int, int]:
     """Each trainable parameter's block, by ``id``: 0, 1, ... from the input to the classifier
     (a top-level layer, or one block of a stage: a ``Sequential`` is opened where it holds
-    blocks of layers rather than single layers). Discriminative learning rates scale by it."""
+    blocks of layers rather than single layers; a timm network's blocks are timm's own, from its
+    ``group_matcher``). Discriminative learning rates scale by it."""
+    own = timm_blocks(model)
+    if own is not None:
+        return own
+
     def opens(m: nn.Module) -> bool:
         return isinstance(m, nn.Sequential) and any(len(list(c.children())) for c in m.children())
 
@@ -73,9 +79,9 @@ def blocks(model: nn.Module) -> dict[int, int]:
 
 
 def head_of(model: nn.Module) -> set[int]:
-    """The classifier's parameters (by ``id``): those of the model's last linear layer."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return {id(p) for p in linears[-1].parameters()} if linears else set()
+    """The classifier's parameters (by ``id``): those of the model's last linear layer (a timm
+    network's ``get_classifier``)."""
+    return {id(p) for m in classifier_layers(model) for p in m.parameters()}
 
 
 def finetune_split(model: nn.Module, roles: dict[str, list[nn.Parameter]], ft: FinetuneConfig,

@@ -133,8 +133,8 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = None) -> L
     runtime = resolve_runtime(recipe.runtime, dev)
     runtime = runtime.activate()
     state = read_weights(folder / "model.pt")
+    model = build_model(recipe.model, pre["channels"], len(pre["classes"]))     # (your factory says what is wrong)
     try:
-        model = build_model(recipe.model, pre["channels"], len(pre["classes"]))
         model.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).splitlines()[0][:200]

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, set_values
+from ...recipe import Recipe, RecipeError, apply_overrides, new_network, recipe_from_dict, set_values
 from ..sources.arrays import load_npz
 from ...errors import DataError
 from ..sources.folder import ImageList, folder_splits, probe
 from ..sources.builtin import SPECS, ArrayDataset, load_dataset
 from ..sources.cache import open_cached, use_cache
 from ..sources.holdout import hold_out_arrays, hold_out_images
-from ..sources.choices import choose, choose_finetune, default_eval_crop, small_image_size
+from ..sources.choices import choose, choose_finetune, default_eval_crop, small_image_size, your_network
 from .resident import ResidentData
 from .shard import Shard
 from .stream import StreamedData, default_workers, sample_stats, start_worker_server
@@ -105,6 +105,14 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                 raw[k] = section
         # an unknown field names the model the data chose, and lists that model's fields
         source = f"{recipe.name} with what the data chose ({c.reasons[0]})"
+        yours = new_network(raw, list(user or []))
+        if yours is not None:                        # your network, not the one the data chose
+            c.reasons = [your_network(r, yours) for r in c.reasons]
+            mult = raw.get("optim", {}).get("norm_bias_lr_mult", 1.0)
+            if mult != 1.0:                          # (it goes with the speed net's frozen batch-norm scale)
+                c.values["optim.norm_bias_lr_mult"] = 1.0
+                c.reasons.insert(1, f"batch-norm biases at the weights' LR (the speed net's {mult:g}x goes with its "
+                                    "frozen batch-norm scale)")
         raw = apply_overrides(set_values(raw, c.values, source), list(user or []))
         recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source,
                                   overrides=list(user or []), over_source=True)

@@ -121,6 +121,19 @@ def choose(median_side: int, n_train: int, n_classes: int, batch_size: int) -> C
 
 
 
+def your_network(reason: str, name: str) -> str:
+    """A reason of :func:`choose` with the network it names replaced by yours (``model.name``
+    set to another kind): the data then chooses the sizes, batch and training, not the network."""
+    yours = f"your network (model.name={name})"
+    if reason.startswith("small images"):
+        return reason.replace(": the speed net at", f": {yours} at")
+    if reason.startswith("photos"):
+        head, _, rest = reason.partition("): ")
+        net, _, tail = rest.partition(" as in the ")
+        return f"{head}): {yours} with the training of the {tail}" if tail else reason
+    return reason
+
+
 def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int) -> Choices:
     """The folder recipe's choices for weights to start from (``start``: their [model] section
     as ``model``, the sides they were trained and evaluated at as ``image_size`` and
@@ -145,7 +158,12 @@ def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int)
         # (the network is the weights', not the speed net the data alone would have chosen)
         c.reasons = [r.split(": the speed net at")[0] if r.startswith("small images") else r for r in c.reasons]
         c.values["data.eval_crop"] = default_eval_crop(c.values["data.image_size"])
-    sizes = (f"at {trained} px, as the weights were trained" if trained else "at the data's size")
+    crop = start.get("eval_crop")
+    if crop and median_side >= PHOTO_SIDE:          # (small images are evaluated whole)
+        c.values["data.eval_crop"] = crop
+    sizes = (f"at {trained} px, as the weights were trained" if trained else "at the data's size") + (
+        f", evaluated on centre crops of {crop:g} of the images as they were" if crop and median_side >= PHOTO_SIDE
+        else "")
     c.reasons.insert(0, f"fine-tuning {start['description']} {sizes} (the {FINETUNE_RECIPE} recipe's schedule: "
                      f"the classifier alone for {preset['finetune']['head_epochs']} epochs, then the whole network)")
     return c
