@@ -106,6 +106,14 @@ def split_limit(spec: str, default: float | None, where: str) -> tuple[str, floa
     return body, float(m[1]), None if m[2] is None else float(m[2])
 
 
+def own_limit(given: str, args, where: str) -> tuple[str, float | None, float | None]:
+    """split_limit of a system's or variant's spec, its own SECONDS and LEAST times --time-scale (--limit,
+    the default, is scaled already)."""
+    spec, limit, least = split_limit(given, None, where)
+    k = args.time_scale
+    return spec, args.limit if limit is None else limit * k, None if least is None else least * k
+
+
 def settle(recipe: str, text: str, sets: list[str], where: str):
     """The overrides written KEY=VALUE@KEY=VALUE..., and the recipe they settle after ``sets``."""
     over = text.split("@") if text else []
@@ -119,7 +127,7 @@ def settle(recipe: str, text: str, sets: list[str], where: str):
 
 
 def parse_system(given: str, args) -> System:
-    spec, limit, least = split_limit(given, args.limit, "--system")
+    spec, limit, least = own_limit(given, args, "--system")
     kind, _, rest = spec.partition(":")
     if kind not in ("speedrun", "peer") or not rest:
         refuse(f"--system {spec!r}: expected {SYSTEM_FORMS}")
@@ -145,7 +153,7 @@ def parse_system(given: str, args) -> System:
 
 
 def parse_variant(given: str, args) -> System:
-    spec, limit, least = split_limit(given, args.limit, "--variant")
+    spec, limit, least = own_limit(given, args, "--variant")
     name, _, tail = spec.partition(":")
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
         refuse(f"--variant {spec!r}: expected NAME[:KEY=VALUE@...], the NAME of letters, digits and . _ + -")
@@ -687,8 +695,19 @@ def parse(argv=None):
                    "(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): the same DIR in a lending's calls reuses its code")
     p.add_argument("--jobs", type=int, default=1, metavar="K", help="--synthetic: up to K processes side by side (a "
                    "warm-up call: compiling is CPU work; their times mean nothing)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="K", help="every time of the plan (each system's "
+                   "limit and least, --limit, --budget, --setup-seconds, --call-timeout) multiplied by K: to dry-run a "
+                   "lending's files on a machine K times slower than the one they were planned for (default 1)")
     p.add_argument("--child-variant", type=Path, metavar="RESULT", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.time_scale > 0:
+        refuse(f"--time-scale {args.time_scale:g}: a factor above 0 (e.g. 4 on a CPU four times slower)")
+    k = args.time_scale
+    for name in ("limit", "budget", "call_timeout"):
+        if getattr(args, name) is not None:
+            setattr(args, name, getattr(args, name) * k)
+    args.setup_seconds *= k
+    return args
 
 
 def fit_the_call(args) -> None:
@@ -749,6 +768,7 @@ def main(argv=None) -> int:
               "command": " ".join(["benchmarks/gpu_record.py", *sys.argv[1:]]), "commit": env["commit"],
               "device": args.device, "sets": args.sets, "budget_seconds": args.budget,
               "call_timeout_seconds": args.call_timeout, "setup_seconds": args.setup_seconds, "jobs": args.jobs,
+              "time_scale": args.time_scale,
               "compile_cache_dir": None if args.cache_dir is None else str(args.cache_dir),
               "limits": {s.name: s.limit for s in systems}, "least": {s.name: s.least_seconds() for s in systems},
               "order": names, "definitions": DEFINITIONS,

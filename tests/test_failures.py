@@ -679,6 +679,43 @@ def test_values_once_silently_accepted_are_refused(tmp_path, cli, data_dir):
     assert_unchanged(tmp_path, before)
 
 
+def test_a_bad_value_is_blamed_on_the_set_that_gave_it_and_one_from_the_file_on_the_file(tmp_path, cli):
+    shipped = shipped_recipes()["fashion-mnist"]
+    text = shipped.read_text()
+    assert '[data]\ndataset = "fashion-mnist"\n' in text
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    too_large, without_stop = recipes / "too-large.toml", recipes / "without-stop.toml"
+    too_large.write_text(text.replace("[data]\n", "[data]\nholdout = 2\n", 1))
+    without_stop.write_text(text.replace("[data]\n", "[data]\nholdout = 0.2\n", 1))
+    out = ["--out", tmp_path / "run"]
+    before = snapshot(tmp_path)
+    range_error = "bad recipe value for 'data.holdout' (got 2): Input should be less than or equal to 0.5"
+    cross_error = "data.holdout = 0.2 does nothing with train.stop_at_target = False"
+    # a value out of range, and one a check across sections refuses, each given by a --set
+    err = check_refused(cli("train", "fashion-mnist", "--set", "optim.lr=1", "--set", "data.holdout=2", *out), 2,
+                        f"speedrun: error: --set data.holdout=2: {range_error}")
+    assert str(shipped) not in err and "optim.lr" not in err
+    err = check_refused(cli("train", "fashion-mnist", "--set", "data.holdout=0.2", *out), 2,
+                        f"speedrun: error: --set data.holdout=0.2: {cross_error}")
+    assert str(shipped) not in err
+    # a --set a later one replaced gave nothing
+    err = check_refused(cli("train", "fashion-mnist", "--set", "data.holdout=0.1", "--set", "train.stop_at_target=true",
+                            "--set", "data.holdout=0.7", *out), 2, "speedrun: error: --set data.holdout=0.7: bad recipe "
+                        "value for 'data.holdout' (got 0.7)")
+    assert "data.holdout=0.1" not in err and "stop_at_target" not in err
+    # the same values from a recipe file are the file's, whatever else is set
+    err = check_refused(cli("train", too_large, "--set", "optim.lr=1", *out), 2, f"speedrun: error: {too_large}: "
+                        f"{range_error}")
+    assert "--set" not in err
+    check_refused(cli("train", without_stop, "--set", "optim.lr=1", *out), 2,
+                  f"speedrun: error: {without_stop}: {cross_error}")
+    # ... and each error names where its own value came from
+    check_refused(cli("train", too_large, "--set", "optim.lr=-1", *out), 2, f"speedrun: error: {too_large}: "
+                  f"{range_error}; --set optim.lr=-1: bad recipe value for 'optim.lr' (got -1)")
+    assert_unchanged(tmp_path, before)
+
+
 def test_a_kernel_search_on_a_cpu_is_refused_at_start_saying_what_to_set(tmp_path, cli, cifar_small):
     """runtime.compile_mode=max-autotune would crash inductor's CPU matrix-multiply template
     after minutes of compiling: refused before the data is read or a run folder made."""

@@ -126,21 +126,27 @@ def test_call_1_warms_exactly_what_call_2_runs_in_the_folder_call_2_reads_and_bo
 def test_lending_calls_1_and_2_dry_run_on_a_cpu_sharing_one_compile_cache(tmp_path, data_dir, cifar10):
     """Both files as the lending runs them, from a folder holding .device-data/peers/, at tiny sizes:
     call 1 writes random data of the real shapes for the peer and warms it and the 8 variants side by
-    side; call 2 runs the peer and the 8 speedrun systems on the real data, paired by seed."""
+    side; call 2 runs the peer and the 8 speedrun systems on the real data, paired by seed. The files'
+    limits are an H200's; here every time of the plan is multiplied by --time-scale K, ten times the
+    seconds this machine takes to start a process that imports torch (at least 10), so that no limit
+    or budget decides anything on a slow or busy CPU: what is asserted is what the files run and
+    where they keep it (the budget's decisions are the test above's)."""
     from small_data import subset_npz
     standin(tmp_path / ".device-data" / "peers" / "airbench94_muon.py")
     cache, npz = tmp_path / "cache", tmp_path / "cifar-1536.npz"
     subset_npz(cifar10, npz, 1536, 256)                     # (batch 1536, one of the variants, needs as many)
-    mine = ["--device", "cpu", "--cache-dir", cache, "--commit", "abc1234", *TINY]
+    k = 10 * max(1.0, start_up_unit())
+    mine = ["--device", "cpu", "--cache-dir", cache, "--commit", "abc1234", "--time-scale", k, *TINY]
 
     out1 = tmp_path / "out1"
     proc = record_call([f"@{CALL_1}", "--n-train", 1536, "--n-test", 256, *mine], tmp_path, out1,
-                       {"STANDIN_N_TRAIN": "1536", "STANDIN_N_TEST": "256"})
+                       {"STANDIN_N_TRAIN": "1536", "STANDIN_N_TEST": "256"}, timeout=int(300 * k))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out1.iterdir()) == ["gpu-record-synthetic.json"]
     one = json.loads((out1 / "gpu-record-synthetic.json").read_text())
     assert one["jobs"] == 5 and one["compile_cache_dir"] == str(cache) and not one["left_out"]
-    assert one["budget_seconds"] == 275 and one["call_timeout_seconds"] == 300
+    assert one["time_scale"] == k and not any(e.get("cut") for e in one["peers"] + one["variants"])
+    assert one["budget_seconds"] == pytest.approx(275 * k) and one["call_timeout_seconds"] == pytest.approx(300 * k)
     (peer,) = one["peers"]
     assert peer["ok"] and peer["kind"] == "peer" and len(peer["runs"]) == 1 and peer["warmup_seconds"] > 0
     assert peer["inductor_cache"]["dir"] == str(cache) and peer["compile_cache"]["files_after"] >= 1
@@ -155,10 +161,11 @@ def test_lending_calls_1_and_2_dry_run_on_a_cpu_sharing_one_compile_cache(tmp_pa
     out2 = tmp_path / "out2"
     proc = record_call([f"@{CALL_2}", "--runs", 1, "--data-dir", data_dir, "--set", "data.dataset=npz",
                         "--set", f"data.path='{npz}'", "--work", tmp_path / "work", *mine], tmp_path, out2,
-                       {"STANDIN_N_TRAIN": "50000", "STANDIN_N_TEST": "10000"})
+                       {"STANDIN_N_TRAIN": "50000", "STANDIN_N_TEST": "10000"}, timeout=int(480 * k))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = json.loads((out2 / "gpu-record.json").read_text())
-    assert two["compile_cache_dir"] == str(cache) and two["budget_seconds"] == 450 and not two["left_out"]
+    assert two["compile_cache_dir"] == str(cache) and two["budget_seconds"] == pytest.approx(450 * k)
+    assert not two["left_out"]
     given = [s.rsplit("#", 1)[0] for s in lines(CALL_2, "--system")]
     assert [e["spec"] for e in two["systems"]] == given and len(given) == 9
     peer, systems = two["systems"][0], {e["system"]: e for e in two["systems"]}
@@ -185,37 +192,54 @@ def test_lending_calls_1_and_2_dry_run_on_a_cpu_sharing_one_compile_cache(tmp_pa
         assert torch.equal(data["images"].permute(0, 3, 1, 2), x) and torch.equal(data["labels"], y)
 
 
+def start_up_unit() -> float:
+    """Seconds a fresh interpreter takes to import torch here and now (what each system's process
+    does first): the unit the budget test's times are scaled by, so that its decisions are the same
+    on a slow or busy machine as on a fast one."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=600)
+    return time.perf_counter() - t0
+
+
 def test_a_system_whose_limit_no_longer_fits_starts_with_what_is_left_or_not_at_all(tmp_path):
     """Three systems under a 28 s budget, the stand-in sleeping 0.5 s a run, 1000 runs asked: the
     first is stopped at its own 9 s limit (its whole process group, a helper too), its runs kept;
     the second's 60 s limit no longer fits, but what is left is above its least (4 s), so it starts
     with that, says so, and is stopped at the budget's end with its runs kept; the third's least
-    (30 s) is more than what is left: not started."""
+    (30 s) is more than what is left: not started. Every time (limits, budget, the stand-in's sleep)
+    is multiplied by --time-scale K, K the seconds this machine takes to start a process that
+    imports torch (at least 1): a process starts in at most 1/8 of the first's limit however slow
+    the machine, so the same decisions are asserted everywhere."""
     pidfile = tmp_path / "helper.pid"
     helper = ("    import subprocess\n    helper = subprocess.Popen(['sleep', '300'])\n"
               f"    open({str(pidfile)!r}, 'w').write(str(helper.pid))\n")
     first = standin(tmp_path / "peers" / "first.py", helper)
     second = standin(tmp_path / "peers" / "second.py")
+    k = max(1.0, start_up_unit())
     out, t0 = tmp_path / "out", time.perf_counter()
     proc = record_call(["--synthetic", "--recipe", "cifar10-94-gpu", "--n-train", 256, "--n-test", 64,
                         "--runs", 1000, "--budget", 28, "--device", "cpu", "--set", "data.batch_size=64",
-                        "--system", f"peer:{first}#9", "--system", f"peer:{second}#60/4", "--variant", "base#60/30"],
-                       tmp_path, out, {"STANDIN_N_TRAIN": "256", "STANDIN_N_TEST": "64", "STANDIN_RUN_SECONDS": "0.5"})
+                        "--system", f"peer:{first}#9", "--system", f"peer:{second}#60/4", "--variant", "base#60/30",
+                        "--time-scale", k],
+                       tmp_path, out, {"STANDIN_N_TRAIN": "256", "STANDIN_N_TEST": "64",
+                                       "STANDIN_RUN_SECONDS": str(0.5 * k)})
     took = time.perf_counter() - t0
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((out / "gpu-record-synthetic.json").read_text())
     a, b = record["peers"]
     assert (a["system"], b["system"]) == ("first.py", "second.py") and record["variants"] == []
-    assert a["cut"]["by"] == "its limit" and a["cut"]["at_seconds"] == 9 and "shortened" not in a
-    assert b["limit_from"] == "the budget" and b["cut"]["by"] == "the budget" and b["limit_seconds"] < 60
-    assert b["shortened"]["limit_seconds"] == 60 and b["shortened"]["least_seconds"] == 4
-    assert 4 <= b["shortened"]["given_seconds"] == b["limit_seconds"] < 28 - 9
+    assert record["time_scale"] == k and record["budget_seconds"] == pytest.approx(28 * k)
+    assert a["cut"]["by"] == "its limit" and a["cut"]["at_seconds"] == pytest.approx(9 * k) and "shortened" not in a
+    assert b["limit_from"] == "the budget" and b["cut"]["by"] == "the budget" and b["limit_seconds"] < 60 * k
+    assert b["shortened"]["limit_seconds"] == pytest.approx(60 * k)
+    assert b["shortened"]["least_seconds"] == pytest.approx(4 * k)
+    assert 4 * k <= b["shortened"]["given_seconds"] == b["limit_seconds"] < (28 - 9) * k
     for e in (a, b):
         assert not e["ok"] and 1 <= e["cut"]["runs_finished"] == len(e["runs"]) < 1000
         assert e["process_wall_seconds"] < e["limit_seconds"] + 5
     (left,) = record["left_out"]
-    assert left["name"] == "base" and "under the 30 s it may least start with" in left["reason"]
-    assert "shortened from its limit of 60 s" in proc.stdout and took < 28 + 15
+    assert left["name"] == "base" and f"under the {30 * k:.0f} s it may least start with" in left["reason"]
+    assert f"shortened from its limit of {60 * k:.0f} s" in proc.stdout and took < (28 + 15) * k
     stat = Path(f"/proc/{int(pidfile.read_text())}/stat")          # the helper went with its group
     for _ in range(50):                                 # (gone, or a zombie its new parent has not reaped)
         if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
@@ -232,7 +256,8 @@ def test_a_system_whose_limit_no_longer_fits_starts_with_what_is_left_or_not_at_
                                                "--budget to 455"),
     (["--call-timeout", 20], "--call-timeout 20 s leaves no budget"),
     (["--system", "speedrun:cifar10-94-gpu#60/90"], "at most SECONDS"),
-    (["--jobs", 3], "--jobs belongs to --synthetic")])
+    (["--jobs", 3], "--jobs belongs to --synthetic"),
+    (["--time-scale", 0], "--time-scale 0: a factor above 0")])
 def test_a_plan_that_cannot_fit_its_call_is_refused_in_one_line(tmp_path, args, says):
     """Before torch is imported or anything written: exit code 2, one line naming the figures."""
     out = tmp_path / "record.json"

@@ -9,14 +9,16 @@ as a way round a cycle: a module imported inside a function does not import its 
 back at module level. And the layers stay in order: report reads records and never runs or
 writes them (no bench, engine.loop or commands), the engine and the lower layers import no
 commands and no profiling tools (a training run uses neither), the profiling tools import no
-commands and no report, and only ``__main__`` imports the command line."""
+commands and no report, and only ``__main__`` and the Python API (``speedrun.api``, which runs
+each command through the command line's own parser and table, so that both are one path) import
+the command line; nothing below the commands imports the API."""
 import ast
 from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "speedrun"
 
-COMMANDS = ("speedrun.cli", "speedrun.train", "speedrun.bench", "speedrun.use", "speedrun.cluster")
+COMMANDS = ("speedrun.cli", "speedrun.training", "speedrun.bench", "speedrun.use", "speedrun.cluster")
 TOOLS = ("speedrun.profiling",)       # measure a step; commands and benchmarks use them, a run never
 COMMANDS_AND_TOOLS = (*COMMANDS, *TOOLS)
 FORBIDDEN = {
@@ -27,10 +29,10 @@ FORBIDDEN = {
     "speedrun.optim": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report", "speedrun.data"),
     "speedrun.recipe": (*COMMANDS_AND_TOOLS, "speedrun.engine", "speedrun.report", "speedrun.data"),
     "speedrun.profiling": (*COMMANDS, "speedrun.report"),
-    "speedrun.bench": ("speedrun.cli", "speedrun.train", "speedrun.use", "speedrun.cluster"),
-    "speedrun.cluster": ("speedrun.cli", "speedrun.train", "speedrun.use", "speedrun.bench", *TOOLS),
-    "speedrun.use": ("speedrun.cli", "speedrun.train", "speedrun.bench", "speedrun.cluster", *TOOLS),
-    "speedrun.train": ("speedrun.cli", "speedrun.bench", "speedrun.use", "speedrun.cluster", *TOOLS),
+    "speedrun.bench": ("speedrun.cli", "speedrun.training", "speedrun.use", "speedrun.cluster"),
+    "speedrun.cluster": ("speedrun.cli", "speedrun.training", "speedrun.use", "speedrun.bench", *TOOLS),
+    "speedrun.use": ("speedrun.cli", "speedrun.training", "speedrun.bench", "speedrun.cluster", *TOOLS),
+    "speedrun.training": ("speedrun.cli", "speedrun.bench", "speedrun.use", "speedrun.cluster", *TOOLS),
 }
 """Package (or module) -> what nothing in it imports, at module or function level."""
 
@@ -123,7 +125,7 @@ def test_the_graph_sees_the_package():
     all_edges = edges()
     assert ("speedrun.__main__", "speedrun.cli", True) in all_edges
     assert ("speedrun.engine.loop", "speedrun.engine.checkpoint", True) in all_edges
-    assert ("speedrun.cli", "speedrun.train", False) in all_edges       # a command, loaded when it runs
+    assert ("speedrun.cli", "speedrun.training", False) in all_edges       # a command, loaded when it runs
 
 
 def test_module_level_imports_form_no_cycle():
@@ -146,6 +148,8 @@ def test_the_layers_import_only_downwards():
     assert not wrong, f"imports against the layering: {wrong}"
 
 
-def test_only_main_imports_the_command_line():
-    wrong = [a for a, b, _ in edges() if b == "speedrun.cli" and a != "speedrun.__main__"]
+def test_only_main_and_the_api_import_the_command_line():
+    wrong = [a for a, b, _ in edges() if b == "speedrun.cli" and a not in ("speedrun.__main__", "speedrun.api")]
     assert not wrong, f"modules importing speedrun.cli: {wrong}"
+    below = [f"{a} -> {b}" for a, b, _ in edges() if b == "speedrun.api" and a not in ("speedrun", "speedrun.api")]
+    assert not below, f"modules importing the Python API: {below}"

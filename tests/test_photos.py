@@ -237,7 +237,8 @@ def test_model_fields_are_set_on_the_model_the_data_chose(tmp_path, cli):
     small = _pillow_folder(tmp_path / "small", 32, "png")
     err = check_refused(cli("train", "folder", "--data-dir", photos, "--set", "model.widths=[16,32,32]",
                             "--out", tmp_path / "a"), 2, "unknown recipe field 'model.widths'; did you mean "
-                        "'model.width'?", "photos (median shorter side 112 px", "depth", "variant", "zero_gamma")
+                        "'model.width'?", "photos (median shorter side 112 px", "depth", "variant", "zero_gamma",
+                        "error: --set model.widths=[16,32,32] over folder with what the data chose (photos")
     assert "fields here: " in err
     err = check_refused(cli("train", "folder", "--data-dir", small, "--set", "model.width=16",
                             "--out", tmp_path / "b"), 2, "unknown recipe field 'model.width'; did you mean "

@@ -163,6 +163,34 @@ def test_weights_that_do_not_fit_the_model_name_the_first_tensor(tmp_path):
         apply_weights(speedrun_model(pre.model, 4, 10), pre, 4, 10)
 
 
+def test_a_misshapen_or_missing_tensor_of_a_resnet_file_is_named_as_the_file_names_it(tmp_path, cli, data_dir):
+    files = tmp_path / "files"
+    files.mkdir()
+    plain = torch.load(saved_foreign(build_model(ResNetConfig(depth=18), 3, 10), files / "r18.pth"))
+    torch.save({**plain, "layer3.1.conv2.weight": torch.zeros(256, 256, 1, 1)}, files / "r18.pth")  # 3x3 in one
+    torch.save({**plain, "layer4.1.bn3.weight": torch.zeros(512)}, files / "extra.pth")  # basic blocks have two BNs
+    deep = torch.load(saved_foreign(build_model(ResNetConfig(depth=18, variant="d"), 3, 10), files / "r18d.pth",
+                                    deep_stem=True))
+    del deep["layer2.0.downsample.2.weight"]                           # timm's name of the projection's BN
+    torch.save(deep, files / "r18d.pth")
+    before = listing(tmp_path)
+    assert one_line_refusal(files / "r18d.pth").endswith(
+        ": the weights are not a ResNet-18 speedrun builds (missing tensor layer2.0.downsample.2.weight (speedrun's "
+        "stages.1.0.shortcut.2.weight), 128 in the model); speedrun loads its own runs and ResNet-18/34/50/101 in "
+        "torchvision's or timm's layout (resnet18-101, resnet18d-101d)")
+    assert one_line_refusal(files / "extra.pth").endswith(
+        "(unexpected tensor layer4.1.bn3.weight (speedrun's stages.3.1.bn3.weight), 512 in the weights: the model has "
+        "no such tensor); speedrun loads its own runs and ResNet-18/34/50/101 in torchvision's or timm's layout "
+        "(resnet18-101, resnet18d-101d)")
+    rc, err = cli("train", "fashion-mnist", "--data-dir", data_dir, "--init", files / "r18.pth", "--out",
+                  tmp_path / "run")
+    assert rc == 1 and err.count("speedrun: error: ") == 1 and "Traceback" not in err, err
+    assert (f"model.init={files / 'r18.pth'}: the weights are not a ResNet-18 speedrun builds (tensor "
+            "layer3.1.conv2.weight (speedrun's stages.2.1.conv2.weight) is 256x256x1x1 in the weights but "
+            "256x256x3x3 in the model)") in err
+    assert listing(tmp_path) == before
+
+
 # ------------------------------------------------------------------------------------------
 # A speedrun run
 # ------------------------------------------------------------------------------------------
@@ -340,6 +368,74 @@ def test_damaged_foreign_and_unsafe_files_are_each_one_line_and_nothing_runs_or_
     for name, text in expected.items():
         assert text in one_line_refusal(src / name), name
     assert not marker.exists() and listing(tmp_path) == before
+
+
+# The first tensors of torchvision's vgg11, mobilenet_v2, mobilenet_v3_large and densenet121 and
+# their classifiers, by the names and shapes torchvision gives them
+OTHER_TORCHVISION_NETWORKS = {
+    "vgg11": ("VGG", {
+        "features.0.weight": (64, 3, 3, 3), "features.0.bias": (64,), "features.3.weight": (128, 64, 3, 3),
+        "features.3.bias": (128,), "features.6.weight": (256, 128, 3, 3), "features.6.bias": (256,),
+        "classifier.0.weight": (4096, 25088), "classifier.0.bias": (4096,), "classifier.3.weight": (4096, 4096),
+        "classifier.3.bias": (4096,), "classifier.6.weight": (1000, 4096), "classifier.6.bias": (1000,)}),
+    "mobilenet_v2": ("MobileNetV2", {
+        "features.0.0.weight": (32, 3, 3, 3), "features.0.1.weight": (32,), "features.0.1.bias": (32,),
+        "features.0.1.running_mean": (32,), "features.0.1.running_var": (32,),
+        "features.0.1.num_batches_tracked": (), "features.1.conv.0.0.weight": (32, 1, 3, 3),
+        "features.1.conv.0.1.weight": (32,), "features.1.conv.1.weight": (16, 32, 1, 1),
+        "classifier.1.weight": (1000, 1280), "classifier.1.bias": (1000,)}),
+    "mobilenet_v3_large": ("MobileNetV3", {
+        "features.0.0.weight": (16, 3, 3, 3), "features.0.1.weight": (16,), "features.0.1.bias": (16,),
+        "features.0.1.running_mean": (16,), "features.0.1.running_var": (16,),
+        "features.0.1.num_batches_tracked": (), "features.1.block.0.0.weight": (16, 1, 3, 3),
+        "classifier.0.weight": (1280, 960), "classifier.0.bias": (1280,), "classifier.3.weight": (1000, 1280),
+        "classifier.3.bias": (1000,)}),
+    "densenet121": ("DenseNet", {
+        "features.conv0.weight": (64, 3, 7, 7), "features.norm0.weight": (64,), "features.norm0.bias": (64,),
+        "features.norm0.running_mean": (64,), "features.norm0.running_var": (64,),
+        "features.norm0.num_batches_tracked": (), "features.denseblock1.denselayer1.norm1.weight": (64,),
+        "features.denseblock1.denselayer1.conv1.weight": (128, 64, 1, 1),
+        "classifier.weight": (1000, 1024), "classifier.bias": (1000,)}),
+}
+
+
+def shaped_like(shapes: dict) -> dict[str, torch.Tensor]:
+    """Tensors of these names and shapes, each one stored zero broadcast to its shape (so that
+    VGG's 4096x25088 classifier takes a few bytes on disk)."""
+    return {k: torch.zeros(()).expand(shape) for k, shape in shapes.items()}
+
+
+def test_other_torchvision_networks_are_named_for_what_they_are_not_taken_for_speedruns(tmp_path, cli, data_dir):
+    files = tmp_path / "files"
+    files.mkdir()
+    for name, (family, shapes) in OTHER_TORCHVISION_NETWORKS.items():
+        torch.save(shaped_like(shapes), files / f"{name}.pth")
+    speed_net = speedrun_model({"name": "speednet", "widths": [8, 8]}, 3, 10).state_dict()
+    resnet = build_model(ResNetConfig(depth=18), 3, 10).state_dict()
+    torch.save(speed_net, files / "speednet.pt")
+    torch.save(resnet, files / "resnet.pt")
+    before = listing(tmp_path)
+    for name, (family, _) in OTHER_TORCHVISION_NETWORKS.items():
+        message = one_line_refusal(files / f"{name}.pth")
+        assert message.endswith(f": looks like torchvision's {family} weights (tensors features.*, classifier.*), "
+                                "not a ResNet; speedrun loads its own runs and ResNet-18/34/50/101 in torchvision's "
+                                "or timm's layout (resnet18-101, resnet18d-101d)"), message
+        assert "speedrun model" not in message
+    for name in ("speednet.pt", "resnet.pt"):                     # speedrun's own: the run folder is wanted
+        assert "holds a speedrun model's weights without its run; give the run folder" in one_line_refusal(files / name)
+    # timm's ConvNeXt starts its names as speedrun's ResNet does (stem, stages, head) and is not one
+    timm_like = {"stem.0.weight": torch.zeros(96, 3, 4, 4), "stages.0.blocks.0.conv_dw.weight": torch.zeros(96, 1, 7, 7),
+                 "head.norm.weight": torch.zeros(768), "head.fc.weight": torch.zeros(1000, 768)}
+    torch.save(timm_like, files / "convnext.pth")
+    assert "not a ResNet in torchvision's or timm's layout (its first tensor is stem.0.weight)" in one_line_refusal(
+        files / "convnext.pth")
+    os.remove(files / "convnext.pth")
+    # ... and the command says the same in one line, leaving no run folder
+    rc, err = cli("train", "fashion-mnist", "--data-dir", data_dir, "--init", files / "vgg11.pth", "--out",
+                  tmp_path / "run")
+    assert rc == 1 and err.count("speedrun: error: ") == 1 and "Traceback" not in err, err
+    assert f"{files / 'vgg11.pth'}: looks like torchvision's VGG weights (tensors features.*, classifier.*)" in err
+    assert listing(tmp_path) == before
 
 
 def test_timm_names_without_timm_say_how_to_install_it():

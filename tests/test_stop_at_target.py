@@ -218,6 +218,49 @@ def test_a_refused_holdout_ends_in_one_line(cli, tmp_path):
     assert "data.holdout" in err and "train.stop_at_target" in err and not (tmp_path / "run").exists()
 
 
+def test_data_with_no_image_to_spare_for_the_split_is_refused_saying_how_many_it_has(fashion_small, fashion_jpeg,
+                                                                                      tmp_path, cli):
+    """A class gives the split at least one image when it has two or more, none when it has one:
+    data with one training image per class is refused when it is opened, before a cache is made or
+    a step trained, and leaves nothing behind."""
+    from test_failures import assert_unchanged, check_refused, snapshot
+    with np.load(fashion_small) as full:
+        first = [int(np.flatnonzero(full["y_train"] == c)[0]) for c in range(10)]
+        np.savez(tmp_path / "one-each.npz", x_train=full["x_train"][first], y_train=full["y_train"][first],
+                 x_test=full["x_test"], y_test=full["y_test"], classes=full["classes"])
+    folder = tmp_path / "two-classes"
+    for cls in ("Bag", "Coat"):
+        for split, n in (("train", 1), ("val", 3)):
+            (folder / split / cls).mkdir(parents=True)
+            for f in sorted((fashion_jpeg / split / cls).iterdir())[:n]:
+                (folder / split / cls / f.name).write_bytes(f.read_bytes())
+    rule = ("train.stop_at_target checks the target on a validation split held out of the training images "
+            "(data.holdout=0.1 of each class, at least one image of a class with two or more), and ")
+    advice = ("none with more than one, so none can be held out: give it more training images (a class needs two or "
+              "more for one to be held out), or drop train.stop_at_target")
+    sets = ["--set", "train.stop_at_target=true", "--set", "data.batch_size=2", "--out", tmp_path / "run"]
+    before = snapshot(tmp_path)
+    proc = speedrun("train", "fashion-mnist", "--set", "data.dataset=npz", "--data-dir", tmp_path / "one-each.npz",
+                    *sets, check=False)
+    check_refused(proc, 2, f"speedrun: error: {rule}{tmp_path / 'one-each.npz'} has 10 training images in 10 classes, "
+                  f"{advice}\n")
+    assert "stopping at the target" not in proc.stdout and "open_source" not in proc.stderr
+    for cache in ("off", "on"):                  # streamed, or decoded into a cache first
+        check_refused(cli("train", "fashion-mnist", "--set", "data.dataset=folder", "--data-dir", folder, "--set",
+                          f"data.cache={cache}", "--set", f"data.cache_dir={tmp_path / 'cache'}", *sets), 2,
+                      f"{rule}{folder} has 2 training images in 2 classes, {advice}")
+    assert_unchanged(tmp_path, before)
+
+
+def test_a_session_given_data_opened_without_the_split_says_how_to_open_it(fashion_small):
+    plan = plan_run(load_recipe("fashion-mnist", TINY[:-2]), fashion_small, CPU)         # no stop_at_target
+    with pytest.raises(RecipeError) as err:
+        Session(plan.recipe.with_values({"train.stop_at_target": True}), plan.source, plan.runtime)
+    assert str(err.value) == ("train.stop_at_target checks the target on a validation split held out of the training "
+                              "images, and the data given to this run holds none out: open the data with "
+                              "train.stop_at_target on in its recipe, which holds out data.holdout of each class")
+
+
 def test_bench_runs_stop_at_the_target_and_record_it(fashion_small, tmp_path, cli):
     rc, err = cli("bench", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "b",
                   *(a for s in TINY for a in ("--set", s)), "--set", f"target={REACHABLE}")

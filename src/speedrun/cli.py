@@ -315,7 +315,7 @@ class Command:
 
 
 def _train() -> ModuleType:
-    from . import train
+    from . import training as train
     return train
 
 

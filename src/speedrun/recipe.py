@@ -13,7 +13,7 @@ import hashlib
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -804,7 +804,8 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raise RecipeError(f"{path}: cannot read the recipe ({err.strerror})") from None
     overrides = list(overrides or [])
     held = held_for_data(raw, overrides)
-    recipe = recipe_from_dict(apply_overrides(raw, [o for o in overrides if o not in held]), source=str(path))
+    applied = [o for o in overrides if o not in held]
+    recipe = recipe_from_dict(apply_overrides(raw, applied), source=str(path), overrides=applied)
     recipe._overrides = overrides
     return recipe
 
@@ -826,11 +827,17 @@ def held_for_data(raw: dict, overrides: list[str]) -> list[str]:
     return [o for o in overrides if parse_override(o)[0][0] in CHOSEN_BY_DATA and parse_override(o)[0] != ["model", "init"]]
 
 
-def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
+def recipe_from_dict(raw: dict, source: str = "recipe", overrides: Sequence[str] = (),
+                     over_source: bool = False) -> Recipe:
+    """``raw`` validated as a recipe; a RecipeError naming each bad field otherwise. An error in a
+    value one of ``overrides`` (the ``--set`` texts applied to ``raw``) gave is blamed on that
+    ``--set``, any other on ``source`` (the recipe file, or what made ``raw``); with
+    ``over_source`` the blamed ``--set`` is said to be applied over ``source``, where that tells
+    more (what the data chose)."""
     try:
         return Recipe.model_validate(raw)
     except ValidationError as err:
-        raise RecipeError(describe_errors(err, source)) from None
+        raise RecipeError(describe_errors(err, source, overrides, over_source)) from None
 
 
 def _section_model(raw_loc: tuple) -> type[BaseModel] | None:
@@ -856,8 +863,34 @@ def _section_model(raw_loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def describe_errors(err: ValidationError, source: str) -> str:
-    lines = []
+def _given_by(loc: tuple, message: str, overrides: Sequence[str]) -> list[str]:
+    """The ``--set`` texts that gave the value an error at ``loc`` is about: one that set the
+    field itself or a section holding it, or, for a check over a section (or the whole recipe),
+    one that set a field of it which the message names. A ``--set`` a later one replaced gave
+    nothing."""
+    at = tuple(str(p) for p in loc)
+    given, later = [], []
+    for text in reversed(overrides):
+        key = tuple(text.partition("=")[0].strip().split("."))
+        if any(key[:len(k)] == k for k in later):          # replaced by a later --set
+            continue
+        later.append(key)
+        if at[:len(key)] == key or (key[:len(at)] == at and _names(message, key, len(at))):
+            given.append(text)
+    return given[::-1]
+
+
+def _names(message: str, key: tuple, depth: int) -> bool:
+    """Whether ``message`` names the field ``key``, in full or below the section ``key[:depth]``."""
+    return any(re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message)
+               for name in {".".join(key), ".".join(key[depth:])} if name)
+
+
+def describe_errors(err: ValidationError, source: str, overrides: Sequence[str] = (),
+                    over_source: bool = False) -> str:
+    """One line for the errors of ``err``, each blamed on the ``--set`` that gave its value
+    (see :func:`recipe_from_dict`) or on ``source``."""
+    lines: dict[str, list[str]] = {}
     for e in err.errors():
         # discriminated unions insert the tag ('speednet', 'piecewise') into the location
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in _TAGS))
@@ -878,8 +911,10 @@ def describe_errors(err: ValidationError, source: str) -> str:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             msg = f"bad recipe value for '{field}'{shown}: {e['msg'].removeprefix('Value error, ')}"
-        lines.append(msg)
-    return f"{source}: " + "; ".join(lines)
+        given = " ".join(f"--set {text}" for text in _given_by(loc, msg, overrides))
+        where = (f"{given} over {source}" if over_source else given) if given else source
+        lines.setdefault(where, []).append(msg)
+    return "; ".join(f"{where}: " + "; ".join(msgs) for where, msgs in lines.items())
 
 
 _TAGS = {"speednet", "resnet", "timm", "custom", "piecewise", "onecycle", "cosine", "step", "poly"}

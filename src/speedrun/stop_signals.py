@@ -3,9 +3,12 @@ preemption and at the time limit, and torchrun when it stops a job), SIGUSR1 (wh
 job asks for ahead of its time limit with ``--signal=USR1@SECONDS``) and SIGINT (Ctrl-C).
 
 The handler only records the signal; the training loop reads the record on the host at the
-next step boundary, checkpoints and ends the run with :data:`RESUMABLE_EXIT`. A signal that
-arrives while the checkpoint is written changes nothing (the handler stays installed until
-the process has said what it did), and the file is written to a temporary name and renamed.
+next step boundary, or between two batches of an evaluation (the final one, the monitoring
+evaluation after an epoch, the target check), checkpoints and ends the run with
+:data:`RESUMABLE_EXIT`. A signal that arrives while the checkpoint is written changes nothing
+(the handler stays installed until the process has said what it did), and the file is written
+to a temporary name and renamed. ``speedrun evaluate`` reads it between its batches too and
+ends, writing nothing, with :data:`INTERRUPTED_EXIT`.
 
 This module sits low in the package (the data layer's worker processes use it too): it
 imports nothing from speedrun.
@@ -25,17 +28,23 @@ RESUMABLE_EXIT = 75
 sysexits.h ("try again later"), distinct from errors (1), refused input (2) and an
 interruption that saved nothing (130)."""
 
+INTERRUPTED_EXIT = 130
+"""The exit code of a command interrupted with nothing saved: Ctrl-C before a run has started
+(or a second one), and ``speedrun evaluate`` stopped by any of :data:`SIGNALS` (it has nothing
+to continue from: run it again)."""
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignals:
-    """The first of :data:`SIGNALS` that reached this process, while installed. Before the
-    training loop has started (and for a second Ctrl-C) SIGINT interrupts at once, as Python's
-    own handler does: there is nothing to save yet, or the user insists."""
+    """The first of :data:`SIGNALS` that reached this process, while installed. Until the work
+    that checks the record has started (``listening``: the training loop, an evaluation that
+    checks between batches), and for a second Ctrl-C, SIGINT interrupts at once, as Python's own
+    handler does: there is nothing to save yet, or the user insists."""
 
     def __init__(self):
         self.received: int | None = None
-        self.training = False                 # set by the loop: from now on a stop is a checkpoint
+        self.listening = False                # set once the record is read at step or batch boundaries
         self.saving = False                   # set once the stop's checkpoint is being written
 
     @property
@@ -45,7 +54,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.saving:                       # the checkpoint is being written, or was: let it be
             return
-        if signum == signal.SIGINT and (not self.training or self.received == signal.SIGINT):
+        if signum == signal.SIGINT and (not self.listening or self.received == signal.SIGINT):
             raise KeyboardInterrupt
         if self.received is None:
             self.received = signum

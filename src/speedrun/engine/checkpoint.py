@@ -109,20 +109,24 @@ def restore_rank_state(state: dict, rank: int, model, step) -> None:
                 step.averager.shadow[i].copy_(own["averager"][name])
 
 
-def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock,
-             ranks: list[dict] | None = None) -> Path:
+def save_run(folder: Path, recipe, seed: int, model, step, st, batch_in_epoch: int, clock: tuple[float, dict],
+             ranks: list[dict] | None = None, interrupted: dict | None = None) -> Path:
     """Checkpoint a run in the middle of epoch ``st.epoch``, after ``batch_in_epoch`` of its
     batches (``step``: the :class:`~speedrun.engine.step.TrainStep`, ``st``: the loop's
-    RunState, ``clock``: its Clock); ``ranks``: each process's :func:`rank_state` in a
-    data-parallel run."""
+    RunState, ``clock``: its clock's (elapsed, paused)); ``ranks``: each process's
+    :func:`rank_state` in a data-parallel run. ``interrupted``: for a stop during an
+    evaluation after the epoch's last step, which evaluation (``evaluation``) and whether the
+    training was complete (``training_complete``); a resume does that epoch's end again."""
+    elapsed, paused = clock
     return save(folder, {
         **({"ranks": ranks} if ranks else {}),
+        **({"interrupted": interrupted} if interrupted else {}),
         "recipe": recipe.to_dict(), "recipe_hash": recipe.digest(), "seed": seed,
         "step": step.steps_done, "epoch": st.epoch, "batch_in_epoch": batch_in_epoch,
         "model": model.state_dict(), "train_step": step.state_dict(),
         "epoch_gen_state": st.epoch_gen_state.cpu(), "cpu_rng": torch.get_rng_state(),
         "history": [asdict(h) for h in st.history], "nonfinite_run": st.nonfinite_run,
-        "elapsed": clock.elapsed(), "paused": dict(clock.paused),
+        "elapsed": elapsed, "paused": dict(paused),
         **({"pruner": {**step.loss.pruner.state_dict(), "generator": st.gen.get_state().cpu()}}
            if step.loss.pruner is not None else {}),
         **({"target_checks": {"checks": st.target.checks, "seconds": st.target.seconds}}

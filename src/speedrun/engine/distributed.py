@@ -252,18 +252,37 @@ def norm_group(sync_ranks: int, world: World):
     return group
 
 
-def average_norm_statistics(model: nn.Module, world: World) -> None:
+def _norm_statistics(model: nn.Module) -> list[torch.Tensor]:
+    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for b in (m.running_mean, m.running_var) if b is not None]
+
+
+def average_norm_statistics(model: nn.Module, world: World) -> torch.Tensor | None:
     """Make every rank's batch-norm running statistics the mean over ranks (each rank's own
-    batches moved them), so evaluation on any rank uses the same model."""
+    batches moved them), so evaluation on any rank uses the same model. Returns this rank's
+    own statistics as they were, in one flat tensor, for :func:`restore_norm_statistics`
+    (None in one process, or without batch norm)."""
     if not world.distributed:
+        return None
+    stats = _norm_statistics(model)
+    if not stats:
+        return None
+    flat = torch.cat([b.flatten() for b in stats])
+    own = flat.clone()
+    dist.all_reduce(flat)
+    flat /= world.size
+    torch._foreach_copy_(stats, list(flat.split([b.numel() for b in stats])))
+    return own
+
+
+@torch.no_grad()
+def restore_norm_statistics(model: nn.Module, own: torch.Tensor | None) -> None:
+    """Put back the statistics :func:`average_norm_statistics` returned (an evaluation that
+    was stopped: the checkpoint keeps each rank's own statistics, as after the last step)."""
+    if own is None:
         return
-    stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             for b in (m.running_mean, m.running_var) if b is not None]
-    if stats:
-        flat = torch.cat([b.flatten() for b in stats])
-        dist.all_reduce(flat)
-        flat /= world.size
-        torch._foreach_copy_(stats, list(flat.split([b.numel() for b in stats])))
+    stats = _norm_statistics(model)
+    torch._foreach_copy_(stats, list(own.split([b.numel() for b in stats])))
 
 
 LOCAL_FAILURES = ("cuda error", "cuda out of memory", "illegal memory access", "unhandled cuda error",
@@ -308,6 +327,31 @@ class StopAgreement:
         self.flag[0] = received or 0
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(self.flag[0]) or None
+
+    def in_evaluation(self, received, running: bool) -> int | None:
+        """The stop check of a sharded evaluation, called by every rank before each of its
+        batches (``running``) and after its last; ``received()``: the signal this rank has
+        received, or None. Ranks need not have as many batches (a
+        streamed rank's share of a short last batch, or one whose images were all unreadable
+        and skipped, yields none), so the check is not tied to batches: each call is one MAX
+        all-reduce of (signal, still running) on the CPU, and a rank past its last batch calls
+        again until no rank runs. Every rank therefore makes the same number of calls and
+        sees the same answers: a signal while some rank still evaluates (all stop after the
+        same call), or the evaluation complete (None; a signal that arrives as it ends is
+        left to the next step boundary)."""
+        if not self.world.distributed:
+            return received() if running else None
+        box = torch.zeros(2, dtype=torch.int32)
+        while True:
+            box[0], box[1] = received() or 0, int(running)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+            signum, anyone = int(box[0]), bool(box[1])
+            if not anyone:
+                return None
+            if signum:
+                return signum
+            if running:
+                return None
 
     def wait_for_all(self) -> None:
         """Every rank past this point (rank 0 has written the checkpoint)."""

@@ -66,12 +66,29 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
     return plain.index_copy(0, idx, total), plain
 
 
+class EvaluationStopped(Exception):
+    """A stop signal ended an evaluation between two of its batches (``signum``: the signal)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.what: str | None = None           # which evaluation (set by the training loop)
+        self.weights: dict | None = None       # the evaluated weights, where the loop keeps them
+        super().__init__(f"evaluation stopped by signal {signum}")
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float = 1.0,
-             on_batch: Callable | None = None, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+             on_batch: Callable | None = None, pad_to: int | None = None,
+             stop: Callable[[bool], int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Correct-prediction counts (with TTA, plain view) as device tensors, and the number of
     images, over an iterable of (x, y) device batches: no host sync. ``on_batch(total, plain,
     y)``, where given, sees each batch's logits (``speedrun evaluate`` keeps them).
+
+    ``stop``: asked on the host before each batch (``stop(True)``) and once after the last
+    (``stop(False)``) whether a stop signal ends the evaluation; a signal number raises
+    :class:`EvaluationStopped`. It reads a flag (one process) or agrees with the other ranks
+    (see :meth:`~speedrun.engine.distributed.StopAgreement.in_evaluation`); nothing waits for
+    the device.
 
     ``pad_to``: a batch with fewer images (the last one of a set, a smaller set) is filled to
     this many with zero images whose outputs are dropped, so that a compiled model sees one
@@ -82,22 +99,32 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
     was_training = model.training
     model.eval()
     correct, n = None, 0
-    with runtime.autocast() if runtime else contextlib.nullcontext():
-        for xb, yb in batches:
-            if not len(xb):                     # a rank's share of a small last batch can be empty
-                continue
-            valid = len(xb)
-            if pad_to is not None and valid < pad_to:
-                xb = torch.cat([xb, xb.new_zeros((pad_to - valid, *xb.shape[1:]))])
-            total, plain = tta_logits(model, xb, tta, memory_format, fraction, valid)
-            total, plain = total[:valid], plain[:valid]
-            if on_batch is not None:
-                on_batch(total, plain, yb)
-            c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
-            correct = c if correct is None else correct + c
-            n += len(yb)
-    model.train(was_training)
+    try:
+        with runtime.autocast() if runtime else contextlib.nullcontext():
+            for xb, yb in batches:
+                _check(stop, True)
+                if not len(xb):                     # a rank's share of a small last batch can be empty
+                    continue
+                valid = len(xb)
+                if pad_to is not None and valid < pad_to:
+                    xb = torch.cat([xb, xb.new_zeros((pad_to - valid, *xb.shape[1:]))])
+                total, plain = tta_logits(model, xb, tta, memory_format, fraction, valid)
+                total, plain = total[:valid], plain[:valid]
+                if on_batch is not None:
+                    on_batch(total, plain, yb)
+                c = torch.stack([(total.argmax(1) == yb).sum(), (plain.argmax(1) == yb).sum()])
+                correct = c if correct is None else correct + c
+                n += len(yb)
+            _check(stop, False)
+    finally:
+        model.train(was_training)
     if correct is None:
         device = next(model.parameters()).device
         correct = torch.zeros(2, dtype=torch.int64, device=device)
     return correct[0], correct[1], n
+
+
+def _check(stop: Callable[[bool], int | None] | None, running: bool) -> None:
+    signum = stop(running) if stop is not None else None
+    if signum:
+        raise EvaluationStopped(signum)

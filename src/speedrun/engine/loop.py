@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .build import build_for_run, fresh_model, snapshot, teacher_for, train_step_for
 from .distributed import World
-from .evaluate import TTA_VIEWS, evaluate
+from .evaluate import TTA_VIEWS, EvaluationStopped, evaluate
 from .precision import NonFiniteLoss, first_bad_step
 from .records import EpochRecord, EpochSteps, RunResult, TargetStop
 from .compiling import cache_counts
@@ -55,11 +55,15 @@ class DataFailure(RuntimeError):
 
 
 class RunStopped(Exception):
-    """A stop signal ended the run at a step boundary; rank 0 wrote ``checkpoint`` (None where
-    the run had no folder to write it to)."""
+    """A stop signal ended the run at a step boundary, or in an evaluation (``during``: which
+    one, as the stop's line names it); rank 0 wrote ``checkpoint`` (None where the run had no
+    folder to write it to). ``weights``: after the final evaluation was stopped, the trained
+    weights it was evaluating (rank 0), for model.pt."""
 
-    def __init__(self, signum: int, step: int, total_steps: int, checkpoint: Path | None):
+    def __init__(self, signum: int, step: int, total_steps: int, checkpoint: Path | None,
+                 during: str | None = None, weights: dict | None = None):
         self.signum, self.step, self.total_steps, self.checkpoint = signum, step, total_steps, checkpoint
+        self.during, self.weights = during, weights
         super().__init__(f"stopped by signal {signum} after step {step}")
 
 
@@ -112,6 +116,39 @@ class Clock:
     def seconds(self) -> float:
         self.rt.synchronize()
         return self.elapsed() - sum(self.paused.values())
+
+    def state(self) -> tuple[float, dict]:
+        """(elapsed, paused) as a checkpoint keeps them (read without a synchronisation)."""
+        return self.elapsed(), dict(self.paused)
+
+
+FINAL = "the final evaluation"
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """The run as it stood after an epoch's last step, before the epoch's end (its losses read
+    back, the target check, the monitoring or the final evaluation): what a stop signal during
+    one of those evaluations checkpoints, so that ``--resume`` does the epoch's end again from
+    its start, as an uninterrupted run did it. The interrupted evaluation's seconds count
+    nowhere (the clock is put back to this point)."""
+    batches: int                          # of the epoch, trained
+    history: int                          # epoch records before this epoch's
+    nonfinite_run: int
+    target_checks: tuple[int, float] | None
+    clock: tuple[float, dict]
+
+    @classmethod
+    def of(cls, st: "RunState", step_count: int, first: int, clock: Clock) -> "EpochEnd":
+        t = st.target
+        return cls(step_count - first, len(st.history), st.nonfinite_run,
+                   (t.checks, t.seconds) if t is not None else None, clock.state())
+
+    def run_state(self, st: "RunState") -> "RunState":
+        """``st`` as it was at this point."""
+        target = st.target if self.target_checks is None else replace(
+            st.target, checks=self.target_checks[0], seconds=self.target_checks[1], reached=None)
+        return replace(st, history=st.history[:self.history], nonfinite_run=self.nonfinite_run, target=target)
 
 
 @dataclass
@@ -173,8 +210,8 @@ class Session:
                                  self.shard) if runtime.compile else None
         if recipe.train.stop_at_target and not self.holdout_images:
             raise RecipeError("train.stop_at_target checks the target on a validation split held out of the "
-                              "training images, and this data has none: open it with open_source, which holds "
-                              "out data.holdout of them")
+                              "training images, and the data given to this run holds none out: open the data with "
+                              "train.stop_at_target on in its recipe, which holds out data.holdout of each class")
         self.steps_per_epoch = steps_per_epoch(len(source.train_y), recipe.data.batch_size)
         self.total_steps = total_steps(recipe, len(source.train_y))
         self.n_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -217,7 +254,8 @@ class Session:
         ``on_epoch(record)`` is called after each epoch, ``on_steps(EpochSteps)`` after each
         epoch's losses are read back (with the clock paused). ``stop``: the process's
         :class:`~speedrun.stop_signals.StopSignals`; a signal it records ends the run at the
-        next step boundary with a checkpoint in ``checkpoint_dir`` (:class:`RunStopped`)."""
+        next step boundary, or between two batches of an evaluation, with a checkpoint in
+        ``checkpoint_dir`` (:class:`RunStopped`)."""
         r, rt, model, step = self.recipe, self.runtime, self.model, self.step
         seed = (resume["seed"] if resume else r.train.seed) if seed is None else seed
         progress = progress or NullProgress()
@@ -252,13 +290,15 @@ class Session:
         self._stop = None
         if stop is not None:
             self._stop = (stop, distributed.StopAgreement(self.world))
-            stop.training = True
+            stop.listening = True
 
+        end = None                                      # the last epoch's end (a stop in its evaluations)
         try:
             for epoch in range(st.epoch, self.n_epochs):
                 st.epoch = epoch
                 first = self._train_epoch(data, st, progress, clock, seed, checkpoint_dir)
                 with clock.pause("bookkeeping"):
+                    end = EpochEnd.of(st, step.steps_done, first, clock)
                     done = step.steps_done
                     rec, step_losses = self._check_epoch(st, first, last_good, base_lr * lrs[done - 1])
                     last_good.take(model, done)
@@ -269,7 +309,9 @@ class Session:
                 if r.eval.every and (epoch + 1) % r.eval.every == 0 and not last:
                     averager = step.averager
                     with clock.pause("monitor"), (averager.applied() if averager else nullcontext()):
-                        _, plain, n_test = self._evaluate(data.test_batches(r.eval.batch_size), "none", 1.0).tolist()
+                        _, plain, n_test = self._evaluate(data.test_batches(r.eval.batch_size), "none", 1.0,
+                                                          f"the monitoring evaluation after epoch {epoch + 1}"
+                                                          ).tolist()
                         rec.test_acc = plain / n_test
                 rec.seconds_total = clock.seconds()
                 rec.seconds = rec.seconds_total - (st.history[-1].seconds_total if st.history else 0.0)
@@ -291,7 +333,9 @@ class Session:
             with clock.pause("bookkeeping"):
                 progress.final_evaluation(len(self.source.test_y), r.eval.tta)
             c_tta, c_plain, n_test = self._evaluate(data.test_batches(r.eval.batch_size), r.eval.tta,
-                                                    r.eval.tta_fraction).tolist()
+                                                    r.eval.tta_fraction, FINAL).tolist()
+        except EvaluationStopped as stopped:
+            raise self._stopped_in_evaluation(stopped, end, checkpoint_dir, seed, st) from None
         except DataError as err:
             if step.steps_done == 0:
                 raise
@@ -343,7 +387,8 @@ class Session:
         self.runtime.synchronize()
         t0 = time.perf_counter()
         with averager.applied() if averager else nullcontext():
-            _, plain, n = self._evaluate(data.holdout_batches(self.recipe.eval.batch_size), "none", 1.0).tolist()
+            _, plain, n = self._evaluate(data.holdout_batches(self.recipe.eval.batch_size), "none", 1.0,
+                                         f"the target check after epoch {st.epoch + 1}").tolist()
         target.checks += 1
         target.seconds += time.perf_counter() - t0
         rec.holdout_acc = plain / n
@@ -353,13 +398,28 @@ class Session:
                           "holdout_acc": rec.holdout_acc}
         return True
 
-    def _evaluate(self, batches, tta: str, fraction: float) -> torch.Tensor:
+    def _evaluate(self, batches, tta: str, fraction: float, what: str) -> torch.Tensor:
         """(correct with TTA, correct without, images) over the whole of an evaluation set
         (``batches``: the test set, or the validation split held out for train.stop_at_target):
         each rank evaluates its share with the batch-norm statistics averaged over ranks, and the
-        counts are summed."""
-        distributed.average_norm_statistics(self.model, self.world)
-        c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction, pad_to=self.eval_pad)
+        counts are summed. While the run listens for stop signals, they are checked between
+        batches (agreed by every rank): a stop raises :class:`EvaluationStopped` naming ``what``,
+        with each rank's own statistics put back (and, in the final evaluation, the weights it
+        evaluated kept for model.pt)."""
+        own = distributed.average_norm_statistics(self.model, self.world)
+        check = None
+        if self._stop is not None:
+            stop, agreement = self._stop
+            check = lambda running: agreement.in_evaluation(lambda: stop.received, running)  # noqa: E731
+        try:
+            c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction, pad_to=self.eval_pad,
+                                         stop=check)
+        except EvaluationStopped as stopped:
+            stopped.what = what
+            if what == FINAL and self.world.is_main:
+                stopped.weights = snapshot(self.model)
+            distributed.restore_norm_statistics(self.model, own)
+            raise
         counts = torch.stack([c_tta, c_plain, torch.tensor(n, device=c_tta.device)]).to(torch.float64)
         return distributed.all_reduce_sum(counts, self.world)
 
@@ -389,7 +449,8 @@ class Session:
                 with clock.pause("bookkeeping"):
                     ranks = self._rank_states()                 # (every rank takes part)
                     if checkpoint_dir is not None:
-                        ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock, ranks)
+                        ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, step, st, i + 1, clock.state(),
+                                      ranks)
             if self._stop is not None and done < self.total_steps:
                 self._stop_if_signalled(checkpoint_dir, seed, st, i + 1, clock)
         self._in_epoch = None                         # (the epoch is over: no mid-epoch position)
@@ -403,7 +464,8 @@ class Session:
         cannot be asked for their part any more)."""
         if checkpoint_dir is None or self.world.distributed or self._in_epoch is None:
             return None
-        return ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, self._in_epoch, clock)
+        return ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, self._in_epoch,
+                             clock.state())
 
     def _rank_states(self) -> list[dict] | None:
         """Each process's own part of a checkpoint (:func:`~speedrun.engine.checkpoint.rank_state`),
@@ -426,10 +488,29 @@ class Session:
         path = None
         ranks = self._rank_states()
         if checkpoint_dir is not None:
-            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, batch_in_epoch, clock,
-                                 ranks)
+            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, st, batch_in_epoch,
+                                 clock.state(), ranks)
         agreement.wait_for_all()
         raise RunStopped(signum, self.step.steps_done, self.total_steps, path)
+
+    def _stopped_in_evaluation(self, stopped: EvaluationStopped, end: EpochEnd, checkpoint_dir, seed: int,
+                               st: RunState) -> RunStopped:
+        """A stop signal in an evaluation after an epoch (agreed by every rank, which all come
+        here): the checkpoint a stop after the epoch's last step would have written (``end``),
+        which ``--resume`` continues by doing the epoch's end again, the interrupted evaluation
+        included; it also says whether the training was complete (a stop in the final
+        evaluation). Returns the RunStopped every rank raises once rank 0 has written it."""
+        stop, agreement = self._stop
+        stop.saving = True                   # further signals can no longer interrupt the write
+        ranks = self._rank_states()
+        path = None
+        if checkpoint_dir is not None:
+            path = ckpt.save_run(checkpoint_dir, self.recipe, seed, self.model, self.step, end.run_state(st),
+                                 end.batches, end.clock, ranks,
+                                 interrupted={"evaluation": stopped.what, "training_complete": stopped.what == FINAL})
+        agreement.wait_for_all()
+        return RunStopped(stopped.signum, self.step.steps_done, self.total_steps, path, during=stopped.what,
+                          weights=stopped.weights)
 
     def _check_epoch(self, st: RunState, first: int, last_good: LastGood, lr: float) -> tuple[EpochRecord, list[float]]:
         """Read the epoch's metrics back (the record and the per-step losses, averaged over

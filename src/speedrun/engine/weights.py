@@ -58,7 +58,8 @@ def settle_model(recipe: Recipe) -> tuple[Recipe, list[str]]:
         section = {**{k: v for k, v in raw["model"].items() if k != "arch"}, **section}
     raw["model"] = section
     mine = [o for o in recipe._overrides if o.split("=", 1)[0].strip().startswith("model.")]
-    settled = recipe_from_dict(apply_overrides(raw, mine), source=f"{recipe.name} with model.init={recipe.model.init}")
+    settled = recipe_from_dict(apply_overrides(raw, mine), source=f"{recipe.name} with model.init={recipe.model.init}",
+                               overrides=mine, over_source=True)
     settled._overrides = list(recipe._overrides)
     return settled, [f"weights to start from: {pre.description}"]
 

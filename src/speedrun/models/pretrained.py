@@ -13,8 +13,10 @@ and nothing is written on one.
 """
 from __future__ import annotations
 
+import functools
 import json
 import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError, SpeedrunError
 from ..files import cache_root, expect, read_json_record
-from ..recipe import SCHEMES, ResNetConfig, load_recipe
+from ..recipe import SCHEMES, ResNetConfig, SpeedNetConfig, load_recipe
 from . import build_model, classifier_names
 from . import published_weights as published
 from .resnet_layouts import LOADABLE, first_misfit, is_resnet_layout, to_speedrun
@@ -272,11 +274,51 @@ def _state_dict_in(obj, path: Path) -> dict[str, torch.Tensor]:
 def _converted(state: dict[str, torch.Tensor], path: Path) -> tuple[ResNetConfig, dict[str, torch.Tensor]]:
     if is_resnet_layout(state):
         return to_speedrun(state)
-    if any(k.split(".", 1)[0] in ("stem", "stages", "features") for k in state):
+    if _layout(state) in _speedrun_layouts():
         raise CheckpointError(f"{path}: holds a speedrun model's weights without its run; give the run folder "
                               "(config.toml and preprocessing.json beside model.pt say what network and data they are)")
+    if _layout(state)[0] == {"features", "classifier"}:
+        raise CheckpointError(f"{path}: looks like {_torchvision_family(state)} (tensors features.*, classifier.*), "
+                              f"not a ResNet; {LOADABLE}")
     raise CheckpointError(f"{path}: not a ResNet in torchvision's or timm's layout (its first tensor is "
                           f"{next(iter(state))}); {LOADABLE}")
+
+
+def _layout(state: dict) -> tuple[frozenset[str], frozenset[str]]:
+    """How a state dict is laid out: the first parts of its tensors' names, and its
+    classifier's tensors (``head.*``)."""
+    return frozenset(k.split(".", 1)[0] for k in state), frozenset(k for k in state if k.startswith("head."))
+
+
+@functools.cache
+def _speedrun_layouts() -> frozenset[tuple[frozenset[str], frozenset[str]]]:
+    """The layouts of the networks speedrun builds (a speed net; a ResNet, post- and
+    pre-activation), read from the networks themselves."""
+    sections = (SpeedNetConfig(widths=[8]), ResNetConfig(depth=18), ResNetConfig(depth=18, preact=True))
+    with torch.device("meta"):                            # names only
+        return frozenset(_layout(build_model(cfg, 3, 2).state_dict()) for cfg in sections)
+
+
+_TORCHVISION_FAMILIES = (                                 # a tensor name only that family's networks have
+    (re.compile(r"features\.denseblock\d+\."), "DenseNet"),
+    (re.compile(r"features\.\d+\.(squeeze|expand1x1)\."), "SqueezeNet"),
+    (re.compile(r"features\.\d+\.conv\."), "MobileNetV2"),
+    (re.compile(r"features\.\d+\.block\."), "MobileNetV3"),
+    (re.compile(r"features\.\d+\.\d+\.layer_scale$"), "ConvNeXt"),
+    (re.compile(r"features\.\d+\.\d+\.block\."), "EfficientNet"),
+)
+_PLAIN_LAYER = re.compile(r"features\.\d+\.\w+$")      # VGG's and AlexNet's: one flat Sequential
+
+
+def _torchvision_family(state: dict) -> str:
+    """Which of torchvision's networks that name their tensors features.* and classifier.* the
+    weights look like, from the names alone."""
+    for pattern, family in _TORCHVISION_FAMILIES:
+        if any(pattern.match(k) for k in state):
+            return f"torchvision's {family} weights"
+    if all(_PLAIN_LAYER.match(k) for k in state if k.startswith("features.")):
+        return f"torchvision's {'AlexNet' if 'classifier.1.weight' in state else 'VGG'} weights"
+    return "the weights of one of torchvision's networks other than ResNets (VGG, MobileNet, DenseNet and others)"
 
 
 def _resnet(spec: str, cfg: ResNetConfig, state: dict[str, torch.Tensor], line: str, mean=None, std=None,

@@ -13,6 +13,7 @@ tensor, before anything uses them.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 
@@ -43,20 +44,21 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def first_misfit(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],
-                 absent_ok: frozenset[str] = frozenset()) -> str | None:
+                 absent_ok: frozenset[str] = frozenset(), shown: Callable[[str], str] = str) -> str | None:
     """The first tensor of ``given`` that does not fit ``expected`` (a model's state dict): one
     the model has and ``given`` lacks (other than those in ``absent_ok``), one of another
-    shape, or one the model has no place for; None when all fit."""
+    shape, or one the model has no place for; None when all fit. ``shown`` gives the name a
+    tensor is called by in the message (default: its key)."""
     for key, want in expected.items():
         if key in absent_ok:
             continue
         if key not in given:
-            return f"missing tensor {key} ({_shape(want)} in the model)"
+            return f"missing tensor {shown(key)}, {_shape(want)} in the model"
         if given[key].shape != want.shape:
-            return f"tensor {key} is {_shape(given[key])} in the weights but {_shape(want)} in the model"
+            return f"tensor {shown(key)} is {_shape(given[key])} in the weights but {_shape(want)} in the model"
     for key, have in given.items():
         if key not in expected:
-            return f"unexpected tensor {key} ({_shape(have)}; the model has no such tensor)"
+            return f"unexpected tensor {shown(key)}, {_shape(have)} in the weights: the model has no such tensor"
     return None
 
 
@@ -119,6 +121,28 @@ def speedrun_key(key: str, deep_stem: bool, avg_down: bool) -> str | None:
     return f"stages.{stage - 1}.{block}.{rest}"
 
 
+def foreign_key(key: str, deep_stem: bool, avg_down: bool) -> str:
+    """The name torchvision or timm give the tensor speedrun's ResNet calls ``key``: the inverse
+    of :func:`speedrun_key`."""
+    if key.startswith("head."):
+        return "fc." + key[len("head."):]
+    m = re.fullmatch(r"stem\.(\d+)\.(.+)", key)
+    if m:
+        index, rest = int(m.group(1)), m.group(2)
+        if deep_stem:
+            return f"bn1.{rest}" if index == 7 else f"conv1.{index}.{rest}"
+        return f"{'conv1' if index == 0 else 'bn1'}.{rest}"
+    m = re.fullmatch(r"stages\.(\d+)\.(\d+)\.(.+)", key)
+    if m is None:
+        return key
+    stage, block, rest = int(m.group(1)) + 1, m.group(2), m.group(3)
+    s = re.fullmatch(r"shortcut\.(\d+)\.(.+)", rest)
+    if s:
+        shift = 1 if avg_down and stage == 1 else 0
+        rest = f"downsample.{int(s.group(1)) + shift}.{s.group(2)}"
+    return f"layer{stage}.{block}.{rest}"
+
+
 def to_speedrun(state: dict[str, torch.Tensor]) -> tuple[ResNetConfig, dict[str, torch.Tensor]]:
     """(the speedrun [model] section, the weights renamed for it) of a torchvision or timm
     ResNet state dict, checked against that model tensor by tensor. Batch norms saved before
@@ -127,12 +151,14 @@ def to_speedrun(state: dict[str, torch.Tensor]) -> tuple[ResNetConfig, dict[str,
     cfg = describe(state)
     deep_stem, avg_down = cfg.variant in ("c", "d"), cfg.variant == "d"
     renamed: dict[str, torch.Tensor] = {}
+    original: dict[str, str] = {}
     for key, tensor in state.items():
         new = speedrun_key(key, deep_stem, avg_down)
         if new is None:
             raise CheckpointError(f"its tensor {key} ({_shape(tensor)}) has no place in a ResNet-{cfg.depth}; "
                                   f"{LOADABLE}")
         renamed[new] = tensor
+        original[new] = key
     for needed, what in (("stem.0.weight", "first convolution conv1"), ("head.weight", "classifier fc")):
         if needed not in renamed:
             raise CheckpointError(f"the ResNet has no {what}; {LOADABLE}")
@@ -141,7 +167,9 @@ def to_speedrun(state: dict[str, torch.Tensor]) -> tuple[ResNetConfig, dict[str,
     for key, want in expected.items():
         if key.endswith("num_batches_tracked") and key not in renamed:
             renamed[key] = torch.zeros((), dtype=torch.long)
-    misfit = first_misfit(expected, renamed)
+    def shown(key: str) -> str:                          # the file's name first, then speedrun's
+        return f"{original.get(key) or foreign_key(key, deep_stem, avg_down)} (speedrun's {key})"
+    misfit = first_misfit(expected, renamed, shown=shown)
     if misfit:
         raise CheckpointError(f"the weights are not a ResNet-{cfg.depth} speedrun builds ({misfit}); {LOADABLE}")
     return cfg, {key: renamed[key] for key in expected}

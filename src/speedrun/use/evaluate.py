@@ -3,11 +3,17 @@ pipeline and the engine's evaluation (the recipe's TTA, TTA fraction and evaluat
 size), so the accuracies equal the ones the run recorded; then what a single number hides:
 per-class precision, recall and F1, top-5, the confusion matrix and the most confident
 mistakes, written into the run folder beside the run's own files (which are never touched).
+
+A stop signal (SIGTERM, SIGUSR1, Ctrl-C) during the evaluation ends it before its next batch:
+one line says so, nothing is written, and the exit code is 130 (there is nothing to continue
+from; run it again). One that arrives once the evaluation is complete lets the files be written
+(a second Ctrl-C interrupts at once, as ever).
 """
 from __future__ import annotations
 
 import csv
 import io
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +24,12 @@ import torch
 from .. import __version__
 from ..data.pipeline.dataset import FolderSource, open_pipeline, open_source
 from ..data.sources.folder import folder_splits
-from ..engine.evaluate import evaluate
+from ..engine.evaluate import EvaluationStopped, evaluate
 from ..engine.runtime import compiled_model, device_name
 from ..errors import DataError
 from ..files import atomic_write_bytes, atomic_write_json, atomic_write_text, check_output_folder
 from ..recipe import Recipe
+from ..stop_signals import INTERRUPTED_EXIT, StopSignals
 from ..report.evaluation import EVALUATION_FILES, confusion_figure, mistakes_figure
 from .loaded import LoadedRun, check_classes, decode_images, load_run
 
@@ -88,8 +95,10 @@ class Logits:
     correct_plain: int
 
 
-def run_evaluation(loaded: LoadedRun, test: TestSet) -> Logits:
-    """The engine's evaluation of the whole test set, as at the end of the run, keeping the logits."""
+def run_evaluation(loaded: LoadedRun, test: TestSet, stop: StopSignals | None = None) -> Logits:
+    """The engine's evaluation of the whole test set, as at the end of the run, keeping the
+    logits; with ``stop``, a signal it records ends the evaluation before the next batch
+    (:class:`~speedrun.engine.evaluate.EvaluationStopped`)."""
     r, rt = loaded.recipe, loaded.runtime
     forward = loaded.model
     if rt.compile:                          # the run evaluated a compiled model: the same kernels
@@ -101,8 +110,10 @@ def run_evaluation(loaded: LoadedRun, test: TestSet) -> Logits:
         for x, y, idx in test.data.indexed_test_batches(r.eval.batch_size):
             indices.append(idx)
             yield x, y
+    check = None if stop is None else (lambda running: stop.received if running else None)
     c_tta, c_plain, n = evaluate(forward, batches(), r.eval.tta, rt, r.eval.tta_fraction,
-                                 on_batch=lambda total, plain, y: kept.append((total.cpu(), plain.cpu(), y.cpu())))
+                                 on_batch=lambda total, plain, y: kept.append((total.cpu(), plain.cpu(), y.cpu())),
+                                 stop=check)
     if not kept:
         raise DataError(f"{test.describe}: no test images could be read")
     total, plain, labels = (torch.cat(parts) for parts in zip(*kept))
@@ -188,13 +199,28 @@ def evaluation_record(loaded: LoadedRun, test: TestSet, out: Logits, seconds: fl
 
 
 def evaluate_command(args) -> int:
+    stop = StopSignals()
+    with stop.installed():
+        try:
+            return _evaluate_run(args, stop)
+        except EvaluationStopped as stopped:
+            print(f"speedrun: evaluate stopped by {signal.Signals(stopped.signum).name} during the evaluation of "
+                  f"{args.run_dir}; nothing was written (run `speedrun evaluate {args.run_dir}` again)", flush=True)
+            return INTERRUPTED_EXIT
+
+
+def _evaluate_run(args, stop: StopSignals) -> int:
     from ..report.console import print_table
     started = time.perf_counter()
     folder = Path(args.run_dir)
     loaded = load_run(folder, args.device)
     check_output_folder(folder, "RUN_DIR")              # evaluate writes its files there: checked first
     test = open_test_set(loaded, args.data_dir)
-    out = run_evaluation(loaded, test)
+    tta = loaded.recipe.eval.tta
+    print(f"speedrun: evaluating {folder} on {test.describe}" + (f", {tta} TTA" if tta != "none" else ""),
+          flush=True)
+    stop.listening = True                               # from here a stop is read between batches
+    out = run_evaluation(loaded, test, stop)            # complete: a signal from here on is only recorded
     record, confusion = evaluation_record(loaded, test, out, time.perf_counter() - started)
     mistakes = record["mistakes"]
     pictures = mistake_images(loaded, test, [m["index"] for m in mistakes])
@@ -207,6 +233,8 @@ def evaluate_command(args) -> int:
     if len(loaded.classes) <= PER_CLASS_PRINTED:
         _print_per_class(record["per_class"])
     print_table(f"evaluate {loaded.recipe.name} ({test.describe})", _rows(record, files))
+    if stop.name is not None:
+        print(f"speedrun: {stop.name} arrived as the evaluation ended: its files were written", flush=True)
     return 0
 
 

@@ -92,13 +92,13 @@ def _check_folder(folder: Path) -> None:
     missing = [n for n in RUN_INPUTS if not (folder / n).is_file()]
     if not missing:
         return
-    if missing == ["preprocessing.json"]:
+    interrupted = (folder / "checkpoint.pt").is_file()
+    if missing == ["preprocessing.json"] and not interrupted:
         raise RunFolderError(f"{folder}: has no preprocessing.json (how the run prepared its images); it was "
                              "written by an older speedrun. Train the run again to use it")
-    interrupted = " (it holds checkpoint.pt: continue it with `speedrun train --resume " \
-                  f"{folder}`)" if (folder / "checkpoint.pt").is_file() else ""
+    resume = f" (it holds checkpoint.pt: continue it with `speedrun train --resume {folder}`)" if interrupted else ""
     raise RunFolderError(f"{folder}: not a finished run: missing {', '.join(missing)}; a run writes them when "
-                         f"it finishes, so the run must have finished{interrupted}")
+                         f"it finishes, so the run must have finished{resume}")
 
 
 def read_preprocessing(path: Path) -> dict:

@@ -114,7 +114,8 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                 c.reasons.insert(1, f"batch-norm biases at the weights' LR (the speed net's {mult:g}x goes with its "
                                     "frozen batch-norm scale)")
         raw = apply_overrides(set_values(raw, c.values, source), list(user or []))
-        recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source)
+        recipe = recipe_from_dict(set_values(raw, {"data.auto_choices": False}, source), source=source,
+                                  overrides=list(user or []), over_source=True)
         kept = [o.split("=", 1)[0].strip() for o in (user or [])]
         reasons = c.reasons + ([f"kept as set: {', '.join(kept)}"] if kept else [])
         return recipe, reasons
@@ -172,20 +173,22 @@ def open_source(recipe: Recipe, data_dir=None, say=None, start: dict | None = No
                               f"{smallest} px (data.eval_size and data.image_size); raise it, or 0 for the "
                               "evaluation size")
         stored = max(d.cache_size, smallest)
+        # held out here, before a cache is made or the statistics sampled (held-out images are never seen), and
+        # refused here where the data has no image to spare
+        kept, holdout = hold_out_images(train, d.holdout, d.split_seed, d.path) if recipe.train.stop_at_target \
+            else (train, None)
         cached, why = use_cache(d.cache, recipe.augment.crop, d.eval_crop, len(train) + len(val), channels, stored)
         if cached:                                  # stored at least as large as the training crops
             ds, ds.cache = open_cached(train, val, channels, stored, d, d.image_size, say or (lambda m: None),
                                        eval_size=smallest)
-            ds = _held_out(recipe, ds)
+            ds = _held_out(recipe, ds)                  # (the same images as ``holdout``: the choice is the labels')
             ds.choices = reasons + [why]
             return recipe, ds
         if d.decoder == "torchvision":              # streamed through the device's decoder (device_stream)
             from ..sources.device_decode import torchvision_io
             torchvision_io()                        # (refused here, before a run folder is made, where it is missing)
             why += "; each batch decoded and cropped on the run's device by torchvision (data.decoder=torchvision)"
-        holdout = None
-        if recipe.train.stop_at_target:             # (before the statistics: held-out images are never seen)
-            train, holdout = hold_out_images(train, d.holdout, d.split_seed)
+        train = kept
         workers = default_workers(d.workers) > 0
         if workers:
             start_worker_server()                   # (its imports overlap the sampling below)
@@ -205,7 +208,8 @@ def open_source(recipe: Recipe, data_dir=None, say=None, start: dict | None = No
 def _held_out(recipe: Recipe, ds: ArrayDataset) -> ArrayDataset:
     """``ds`` with its validation split held out of the training images (train.stop_at_target)."""
     d = recipe.data
-    return hold_out_arrays(ds, d.holdout, d.split_seed) if recipe.train.stop_at_target else ds
+    data = d.path if d.dataset in ("folder", "npz") else d.dataset
+    return hold_out_arrays(ds, d.holdout, d.split_seed, data) if recipe.train.stop_at_target else ds
 
 
 def place_source(source, runtime):

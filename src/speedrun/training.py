@@ -149,7 +149,7 @@ def train_command(args) -> int:
             try:
                 code = _train_into(record, recipe, resume, device, args, world, stop)
             except RunStopped as stopped:
-                return _stopped(stopped, world)
+                return _stopped(stopped, world, record)
             except BaseException:
                 record.discard()               # a failed run leaves no empty folder behind
                 raise
@@ -161,13 +161,21 @@ def train_command(args) -> int:
             distributed.stop()
 
 
-def _stopped(stopped: RunStopped, world: World) -> int:
-    """Rank 0 says where the run stopped and how to continue it, and requeues a SLURM job that
+def _stopped(stopped: RunStopped, world: World, record) -> int:
+    """Rank 0 says where the run stopped and how to continue it (after a stop in the final
+    evaluation, with the trained weights written to model.pt), and requeues a SLURM job that
     asked for it (SIGUSR1); every rank exits with RESUMABLE_EXIT."""
     if world.is_main:
         name, where = signal.Signals(stopped.signum).name, stopped.checkpoint.parent
-        line = (f"speedrun: stopped by {name} after step {stopped.step} of {stopped.total_steps}; checkpoint: "
-                f"{stopped.checkpoint}; continue with `speedrun train --resume {where}`"
+        during, after = "", ""
+        if stopped.during is not None:
+            during = f" in {stopped.during},"
+        if stopped.weights is not None:
+            after = (f" (the training is complete; its weights: "
+                     f"{record.save_weights(stopped.weights)})")
+        again = " (it runs the final evaluation)" if stopped.weights is not None else ""
+        line = (f"speedrun: stopped by {name}{during} after step {stopped.step} of {stopped.total_steps}{after}; "
+                f"checkpoint: {stopped.checkpoint}; continue with `speedrun train --resume {where}`{again}"
                 + (" (under torchrun or srun, the same launch with --resume)" if world.distributed else ""))
         try:
             job = requeue_slurm_job(stopped.signum)
@@ -242,8 +250,8 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         files = {e["path"]: e["reason"] for e in summary["skipped_files"]}
         say(skipped_line(files, summary["skipped_images"], record.folder / "summary.json"))
     if stop.name is not None:
-        say(f"{stop.name} arrived after the last training step: the run finished its final evaluation and "
-            f"its record in {record.folder} is complete (nothing to resume)")
+        say(f"{stop.name} arrived as the final evaluation ended: the run finished and its record in "
+            f"{record.folder} is complete (nothing to resume)")
     return 0
 
 
