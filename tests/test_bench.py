@@ -119,9 +119,13 @@ def test_run_flops_and_efficiency():
 
 
 # ------------------------------------------------------------------------------- ablation
+ADAMW_LAYER_DECAY = ["optim.name=adamw", "optim.lr=1e-3", "optim.layer_decay=0.75"]
+
+
 def test_every_trick_turns_off_in_a_valid_recipe():
-    for name in ("cifar10-94", "page-resnet9", "fashion-mnist", "dawnbench-resnet18"):
-        r = load_recipe(name)
+    for name, sets in (("cifar10-94", []), ("page-resnet9", []), ("fashion-mnist", []), ("dawnbench-resnet18", []),
+                       ("dawnbench-resnet18", ADAMW_LAYER_DECAY)):
+        r = load_recipe(name, sets)
         variants = plan(r, tricks_of(r), None)
         assert len(variants) == 1 + len(tricks_of(r))
         for v in variants[1:]:
@@ -129,6 +133,9 @@ def test_every_trick_turns_off_in_a_valid_recipe():
             trick = next(t for t in TRICKS if t.name == v["trick"])
             assert not trick.is_on(v["recipe"]), (name, trick.name)
     assert {t.name for t in tricks_of(load_recipe("page-resnet9"))} >= {"ghost_bn", "cutout", "whitening"}
+    # AdamW's default exclusion of biases and norms from decay is a trick of its own to ablate
+    assert {t.name for t in tricks_of(load_recipe("dawnbench-resnet18", ADAMW_LAYER_DECAY))} >= {"layer_decay",
+                                                                                                 "no_bias_decay"}
     with pytest.raises(RecipeError, match="not used by recipe"):
         tricks_of(load_recipe("dawnbench-resnet18"), ["ghost_bn"])
 

@@ -726,6 +726,27 @@ def test_a_kernel_search_on_a_cpu_is_refused_at_start_saying_what_to_set(tmp_pat
     assert_unchanged(tmp_path, before)
 
 
+@pytest.mark.parametrize("sets, culprits", [
+    (["optim.layer_decay=0"], ["optim.layer_decay", "greater than 0"]),
+    (["optim.layer_decay=1.5"], ["optim.layer_decay", "less than or equal to 1"]),
+    (["optim.betas=[0.8, 0.99]"], ["optim.betas = [0.8, 0.99] does nothing with optim.name = 'sgd'", "lamb and adamw"]),
+    (["optim.eps=1e-7"], ["optim.eps = 1e-07 does nothing with optim.name = 'sgd'"]),
+    (["optim.name=adamw", "optim.lr=1e-3", "optim.trust_coefficient=0.01"],
+     ["optim.trust_coefficient = 0.01 does nothing with optim.name = 'adamw'", "only lars"]),
+    (["optim.name=adamw", "optim.lr=1e-3", "optim.adapt_bias_norm=true"], ["optim.adapt_bias_norm"]),
+    (["optim.name=adamw", "optim.lr=1e-3", "optim.betas=[0.9, 1.0]"], ["optim.betas", "below 1"]),
+    (["optim.layer_decay=0.75", "finetune.lr_first=0.1"], ["optim.layer_decay = 0.75", "finetune.lr_first = 0.1"]),
+], ids=["layer-decay-0", "layer-decay-1.5", "betas-on-sgd", "eps-on-sgd", "trust-on-adamw", "adapt-on-adamw",
+        "beta-of-1", "layer-decay-and-lr-first"])
+def test_optimizer_fields_that_are_out_of_range_or_do_nothing_are_refused(tmp_path, cli, cifar_small, sets, culprits):
+    """optim.layer_decay outside (0, 1], an optimizer's own fields given to another, and the two
+    spellings of per-block LRs at once: one line naming the fields, nothing written."""
+    before = snapshot(tmp_path)
+    check_refused(cli("train", *small_args(cifar_small), "--out", tmp_path / "run",
+                      *sum((["--set", s] for s in sets), [])), 2, *culprits)
+    assert_unchanged(tmp_path, before)
+
+
 def test_a_recipe_name_cannot_place_the_run_outside_runs(tmp_path, cli, cifar_small):
     text = shipped_recipes()["cifar10-94"].read_text()
     assert text.startswith('name = "cifar10-94"\n')

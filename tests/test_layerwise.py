@@ -1,5 +1,5 @@
 """LARS and LAMB against hand computations of the published formulas, and how the recipe
-chooses and configures them."""
+chooses and configures them (and AdamW, whose rule tests/test_adamw.py checks)."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from speedrun.models import BatchNorm, PatchWhitening
-from speedrun.optim import LAMB, LARS, SGD, build_optimizer
+from speedrun.optim import LAMB, LARS, SGD, AdamW, build_optimizer
 from speedrun.recipe import NormConfig, OptimConfig
 
 
@@ -206,7 +206,7 @@ def test_lamb_state_dict_round_trip_continues_identically():
 # No host synchronisation inside a step
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("opt_class", [LARS, LAMB])
+@pytest.mark.parametrize("opt_class", [LARS, LAMB, AdamW])
 def test_step_never_reads_a_tensor_back_to_the_host(opt_class, monkeypatch):
     ws = tensors(15, *SHAPES) + [torch.zeros(3)]
     params = [nn.Parameter(w) for w in ws]
@@ -241,14 +241,14 @@ def _by_name(opt):
     return {g["name"]: g for g in opt.param_groups}
 
 
-@pytest.mark.parametrize("name, cls", [("sgd", SGD), ("lars", LARS), ("lamb", LAMB)])
+@pytest.mark.parametrize("name, cls", [("sgd", SGD), ("lars", LARS), ("lamb", LAMB), ("adamw", AdamW)])
 @pytest.mark.parametrize("scaling, scale", [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)])
 def test_build_optimizer_picks_the_class_and_per_step_lr(name, cls, scaling, scale):
     cfg = OptimConfig(name=name, lr=2.0, ref_batch=256, lr_scaling=scaling, momentum=0.8,
                       norm_bias_lr_mult=3.0, whiten_bias_lr_mult=0.5)
     opt = build_optimizer(_net(), cfg, 1024)
     assert type(opt) is cls
-    base = 2.0 * scale * (1.0 if name == "lamb" else 0.2)
+    base = 2.0 * scale * (1.0 if name in ("lamb", "adamw") else 0.2)
     groups = _by_name(opt)
     assert set(groups) == {"weight", "bias", "norm_weight", "norm_bias", "whiten_bias"}
     for role, mult in {"weight": 1.0, "bias": 1.0, "norm_bias": 3.0, "whiten_bias": 0.5}.items():
@@ -289,11 +289,11 @@ def test_recipe_hyperparameters_reach_the_groups():
                for g in lamb.param_groups)
 
 
-@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "adamw"])
 def test_update_with_device_hyperparameters_equals_an_eager_step_with_those_values(name):
     """The training step's update (schedule multiplier and momentum as 0-d tensors, a frozen
     group decided by a device flag) does exactly what an eager step with the same values as
-    group floats does; LAMB keeps its betas, the frozen group does not move."""
+    group floats does; LAMB and AdamW keep their betas, the frozen group does not move."""
     cfg = OptimConfig(name=name, lr=1.0, ref_batch=256, norm_bias_lr_mult=4.0)
     nets = [_net(), _net()]
     nets[1].load_state_dict(nets[0].state_dict())
@@ -309,7 +309,7 @@ def test_update_with_device_hyperparameters_equals_an_eager_step_with_those_valu
         opts[0].update(torch.tensor(0.25), torch.tensor(0.8), frozenset({"whiten_bias"}), torch.tensor(True))
         for g in opts[1].param_groups:
             g["lr"] = 0.0 if g["name"] == "whiten_bias" else 0.25 * g["base_lr"]
-            if name != "lamb":
+            if name not in ("lamb", "adamw"):
                 g["momentum"] = 0.8
         opts[1].step()
     for a, b in zip(nets[0].parameters(), nets[1].parameters()):

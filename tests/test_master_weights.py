@@ -61,13 +61,19 @@ def tiny(fashion):
                                test_x=fashion.test_x[:64], test_y=fashion.test_y[:64])
 
 
-def test_a_step_updates_the_fp32_weights_as_fp32_sgd_would_from_the_same_bf16_gradients(tiny):
+ADAMW = ["optim.name=adamw", "optim.lr=2e-3", "optim.norm_bias_lr_mult=1.0", "optim.weight_decay=0.05",
+         "optim.layer_decay=0.8"]
+
+
+@pytest.mark.parametrize("optim", [[], ADAMW], ids=["sgd", "adamw-layer-decay"])
+def test_a_step_updates_the_fp32_weights_as_the_fp32_optimizer_would_from_the_same_bf16_gradients(tiny, optim):
     """One training step of a bf16-stored speed net with fp32 master weights: the fp32 copies
     equal an fp32 update (the recipe's optimizer, built on an fp32 copy of the model) from the
-    step's bf16 gradients, to the bit; the bf16 model holds the copies rounded."""
+    step's bf16 gradients, to the bit; the bf16 model holds the copies rounded. (AdamW with
+    layer decay: its groups found by block for the fp32 copies as for the parameters.)"""
     recipe = load_recipe("fashion-mnist", ["model.widths=[8,16,16]", "data.batch_size=64", "train.epochs=1",
                                            "runtime.cast=model", "runtime.master_weights=fp32",
-                                           "averaging.kind=none", "model.whiten.train_bias_epochs=0"])
+                                           "averaging.kind=none", "model.whiten.train_bias_epochs=0", *optim])
     runtime = dataclasses.replace(resolve_runtime(RuntimeConfig(), CPU), precision="bf16", cast="model",
                                   master_weights="fp32")
     session = Session(recipe, tiny, runtime)
@@ -80,6 +86,7 @@ def test_a_step_updates_the_fp32_weights_as_fp32_sgd_would_from_the_same_bf16_gr
         for p, h in zip(step.masters.low, step.masters.high):
             ref_params[id(p)].copy_(h)
     ref_opt = build_optimizer(ref_model, recipe.optim, recipe.data.batch_size)
+    assert [g["lr_mult"] for g in ref_opt.param_groups] == [g["lr_mult"] for g in step.opt.param_groups]
 
     torch.manual_seed(0)
     x = torch.randn(64, 1, 28, 28).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)

@@ -371,22 +371,57 @@ class CustomConfig(OtherNetwork):
 ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig, TimmConfig, CustomConfig], Field(discriminator="name")]
 
 
+ADAM_EPS = {"lamb": 1e-6, "adamw": 1e-8}
+"""``optim.eps`` where the recipe leaves it out, by optimizer: LAMB's 1e-6 (the field's value
+before AdamW came, kept) and torch.optim.AdamW's 1e-8 (timm's too)."""
+
+OPTIM_FIELDS_READ_BY = {"betas": ("lamb", "adamw"), "eps": ("lamb", "adamw"), "trust_coefficient": ("lars",),
+                        "adapt_bias_norm": ("lars", "lamb")}
+"""The optimizer-specific fields of [optim] and the optimizers (``optim.name``) that read them;
+set away from its default for another optimizer, a field is refused (it would do nothing)."""
+
+
 class OptimConfig(Section):
-    name: Literal["sgd", "lars", "lamb"] = "sgd"
-    lr: float = Field(gt=0, description="step size per ref_batch examples (momentum-normalised for sgd/lars)")
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_by_optimizer(cls, raw):
+        """The two fields whose default depends on ``optim.name``, filled in where the recipe
+        leaves them out, so that the resolved recipe (config.toml) states them: AdamW excludes
+        biases and norm parameters from decay by default (timm's and the AdamW fine-tuning
+        recipes' practice), the others decay everything unless told; ``eps`` is each Adam
+        optimizer's usual value (:data:`ADAM_EPS`)."""
+        if isinstance(raw, dict):
+            name = raw.get("name", "sgd")
+            raw = dict(raw)
+            if raw.get("no_decay_bias_norm") is None:
+                raw["no_decay_bias_norm"] = name == "adamw"
+            if raw.get("eps") is None:
+                raw["eps"] = ADAM_EPS["adamw"] if name == "adamw" else ADAM_EPS["lamb"]
+        return raw
+
+    name: Literal["sgd", "lars", "lamb", "adamw"] = "sgd"
+    lr: float = Field(gt=0, description="step size per ref_batch examples (momentum-normalised for sgd/lars; "
+                      "lamb/adamw: the per-step LR at batch ref_batch)")
     ref_batch: int = Field(gt=0, description="batch size that lr and weight_decay are stated for")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(
         "linear", description="how lr and weight_decay follow batch_size / ref_batch")
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     weight_decay: float = Field(0.0, ge=0, description="sgd: decoupled decay per ref_batch examples at peak; "
-                                "lars/lamb: the coefficient of their published update")
-    no_decay_bias_norm: bool = Field(False, description="exclude biases and norm parameters from decay")
+                                "lars/lamb: the coefficient of their published update; adamw: torch.optim.AdamW's "
+                                "coefficient (each step removes lr * weight_decay of each weight)")
+    no_decay_bias_norm: bool = Field(False, description="exclude biases and norm parameters (every parameter but "
+                                     "the multi-dimensional weights) from decay; default true for adamw, false "
+                                     "for the others")
     norm_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for batch-norm biases")
     whiten_bias_lr_mult: float = Field(1.0, ge=0, description="LR multiplier for the whitening bias")
+    layer_decay: float = Field(1.0, gt=0, le=1, description="layer-wise LR decay: each parameter's LR times "
+                               "layer_decay ** (depth - block), its block counted from the input (0) to the "
+                               "classifier (depth), as timm's --layer-decay; 1 = off")
     trust_coefficient: float = Field(0.001, gt=0, description="LARS: eta in the layer-wise trust ratio")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="LAMB: Adam moment decays")
-    eps: float = Field(1e-6, gt=0, description="LAMB: added to the second-moment root")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="LAMB/AdamW: Adam moment decays")
+    eps: float = Field(1e-6, gt=0, description="LAMB/AdamW: added to the second-moment root; default 1e-6 for "
+                       "lamb, 1e-8 for adamw")
     adapt_bias_norm: bool = Field(False, description="LARS/LAMB: also scale biases and norms by trust ratio")
     filters: Literal["same", "orthogonal"] = Field(
         "same", description="conv filters: the optimizer above, or orthogonalised momentum updates (Muon)")
@@ -399,6 +434,24 @@ class OptimConfig(Section):
     filter_norm_every: int = Field(1, ge=0, description="orthogonal filters: reset filter norms every N steps; 0 = never")
     filter_weight_decay: float = Field(0.0, ge=0, description="orthogonal filters: decoupled decay per ref_batch "
                                        "examples at peak, as optim.weight_decay; needs filter_norm_every != 1")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas):
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each of the two decays must be at least 0 and below 1 (e.g. [0.9, 0.999])")
+        return betas
+
+    @model_validator(mode="after")
+    def _read_by_the_optimizer(self):
+        for f, readers in OPTIM_FIELDS_READ_BY.items():
+            value = getattr(self, f)
+            if self.name not in readers and value != type(self).model_fields[f].default:
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ValueError(f"optim.{f} = {shown!r} does nothing with optim.name = {self.name!r} (only "
+                                 f"{' and '.join(readers)} read it): leave it at the default, or choose "
+                                 f"{'that optimizer' if len(readers) == 1 else 'one of those optimizers'}")
+        return self
 
     @model_validator(mode="after")
     def _filter_decay(self):
@@ -665,12 +718,16 @@ class Recipe(Section):
         if self.data.prune and (a.mixup or a.cutmix):
             raise ValueError(f"data.prune={self.data.prune} weighs each image's own loss, which mixed images "
                              "(augment.mixup, augment.cutmix) do not have: turn one of them off")
-        o = self.optim
+        o, ft = self.optim, self.finetune
         if self.model.name in ("timm", "custom") and o.whiten_bias_lr_mult != OptimConfig.model_fields[
                 "whiten_bias_lr_mult"].default:
             raise ValueError(f"optim.whiten_bias_lr_mult = {o.whiten_bias_lr_mult!r} is the LR multiplier of the speed "
                              f"net's whitening bias; model.name = {self.model.name!r} has no whitening layer: leave it "
                              "at the default")
+        if o.layer_decay < 1 and ft.lr_first < 1:
+            raise ValueError(f"optim.layer_decay = {o.layer_decay} and finetune.lr_first = {ft.lr_first} set the same "
+                             "thing, one LR per block growing geometrically to the classifier's (lr_first is "
+                             "layer_decay ** blocks): set one of them and leave the other at 1")
         d, t = self.data, self.train
         if ("holdout" in d.model_fields_set and d.holdout != DataConfig.model_fields["holdout"].default
                 and not t.stop_at_target and "stop_at_target" not in t.model_fields_set):

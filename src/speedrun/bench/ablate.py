@@ -63,6 +63,8 @@ TRICKS: list[Trick] = [
           lambda r: ["optim.nesterov=false"]),
     Trick("no_bias_decay", "no decay on biases and norms", lambda r: r.optim.no_decay_bias_norm,
           lambda r: ["optim.no_decay_bias_norm=false"]),
+    Trick("layer_decay", "layer-wise LR decay", lambda r: r.optim.layer_decay < 1,
+          lambda r: ["optim.layer_decay=1.0"]),
     Trick("orthogonal_filters", "orthogonalised (Muon) updates for conv filters",
           lambda r: r.optim.filters == "orthogonal", lambda r: ["optim.filters=same"]),
     Trick("partial_tta", "TTA only on the least confident images", lambda r: r.eval.tta != "none"

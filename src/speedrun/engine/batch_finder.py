@@ -93,9 +93,9 @@ def fit_batch(recipe: Recipe, probe, runtime, say=print) -> Recipe:
 BYTES_PER_PARAMETER = 16
 """What each parameter needs at the least while training: four fp32 copies (4 bytes each) -
 the weights, their gradients, the optimizer's state (momentum) and the averaged copy. The
-activations, LAMB's second moment and compiled graphs come on top, so a model refused on this
-count cannot train on the device at any batch size; one that passes may still need
-``--find-batch``."""
+activations, the second moment of LAMB and AdamW and compiled graphs come on top, so a model
+refused on this count cannot train on the device at any batch size; one that passes may still
+need ``--find-batch``."""
 
 
 def count_parameters(cfg, in_channels: int, num_classes: int) -> int:

@@ -16,7 +16,7 @@ A step, for a batch ``(x, y)`` already augmented by the data pipeline:
 3. **Update** (:meth:`TrainStep.update`): the schedule's LR and momentum for this step, read
    from device tables with the step counter; with fp16 the gradients checked for overflow
    and read unscaled by the optimizer, and an overflowing step undone on the device (not
-   skipped by a host decision); the optimizer (SGD groups, LARS/LAMB, orthogonal filter
+   skipped by a host decision); the optimizer (SGD groups, LARS/LAMB/AdamW, orthogonal filter
    updates); the weight averaging (its every-N condition on the device); the step's loss,
    correct count and overflow flag written into the run's metrics table; the counter
    advanced. Compiled, this is the third graph.

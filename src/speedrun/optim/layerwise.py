@@ -14,7 +14,8 @@ In both, a group's ``lr`` is the per-step rate and ``weight_decay`` is the coeff
 of the published formula (so the decay actually applied scales with ``lr`` and the trust
 ratio). A group with ``adapt=False`` uses trust 1: momentum SGD with L2 decay (LARS) or AdamW
 (LAMB), as is usual for biases and batch-norm parameters. Trust is also 1 for a tensor whose
-weight norm or step norm is 0, so zero-initialised tensors can start moving.
+weight norm or step norm is 0, so zero-initialised tensors can start moving. LAMB's Adam
+direction is ``adam.py``'s, which AdamW shares.
 
 Each group's norms are taken in one ``torch._foreach_norm`` call for the weights and one for
 the steps, and the trust ratios stay on the device: a step never waits for the host. Both
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .adam import adam_direction
 from .base import Number, Optimizer, scaled
 
 
@@ -77,18 +79,7 @@ class LAMB(Optimizer):
 
     def _update_group(self, group: dict, params: list[Tensor], grads: list[Tensor], state: dict, lr: Number,
                       momentum) -> None:
-        beta1, beta2 = group["betas"]
-        m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        step.add_(1)
-        torch._foreach_lerp_(m, grads, 1 - beta1)      # m = beta1·m + (1 - beta1)·g
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-        # r = (m / bc1) / (sqrt(v / bc2) + eps), with bc = 1 - beta**step
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, torch.sqrt(1 - torch.pow(beta2, step)))
-        torch._foreach_add_(denom, group["eps"])
-        r = torch._foreach_div(m, denom)
-        torch._foreach_div_(r, 1 - torch.pow(beta1, step))
+        r = adam_direction(state["exp_avg"], state["exp_avg_sq"], state["step"], grads, group["betas"], group["eps"])
         if group["weight_decay"]:
             torch._foreach_add_(r, params, alpha=group["weight_decay"])
         if group["adapt"]:
