@@ -372,8 +372,8 @@ ModelConfig = Annotated[Union[SpeedNetConfig, ResNetConfig, TimmConfig, CustomCo
 
 
 ADAM_EPS = {"lamb": 1e-6, "adamw": 1e-8}
-"""``optim.eps`` where the recipe leaves it out, by optimizer: LAMB's 1e-6 (the field's value
-before AdamW came, kept) and torch.optim.AdamW's 1e-8 (timm's too)."""
+"""``optim.eps`` where the recipe leaves it out, by optimizer: 1e-6 for LAMB (as the common
+LAMB implementations) and torch.optim.AdamW's 1e-8 (timm's too)."""
 
 OPTIM_FIELDS_READ_BY = {"betas": ("lamb", "adamw"), "eps": ("lamb", "adamw"), "trust_coefficient": ("lars",),
                         "adapt_bias_norm": ("lars", "lamb")}
