@@ -17,7 +17,7 @@ from small_data import learning_seed
 from speedrun.errors import CheckpointError, RecipeError
 from speedrun.models import build_model, classifier_names
 from speedrun.models.pretrained import apply_weights, open_weights
-from speedrun.optim.params import blocks, head_of
+from speedrun.optim.params import block_of, head_of
 from speedrun.recipe import load_recipe
 
 timm = pytest.importorskip("timm", reason="timm is not installed")
@@ -78,7 +78,7 @@ def test_blocks_and_classifier_are_timms_own(arch):
     cfg = load_recipe("fashion-mnist", ["model.name=timm", f"model.arch={arch}"]).model
     with torch.device("meta"):
         model = build_model(cfg, 3, 7)
-    block, names = blocks(model), {id(p): n for n, p in model.named_parameters()}
+    block, names = block_of(model), {id(p): n for n, p in model.named_parameters()}
     by_name = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
     assert {names[i]: b for i, b in block.items()} == by_name
     clf = model.get_classifier()
