@@ -51,10 +51,10 @@ def test_every_command_and_benchmark_that_trains_plans_with_plan_run():
     only hand a recipe on (bench/commands.py, bench/ablate_command.py) build no Session."""
     for path in (SRC / "bench" / "commands.py", SRC / "bench" / "ablate_command.py"):
         assert not {"Session", "open_source", "fit_batch_to_device"} & _calls(path), f"{path.name} builds a run itself"
-    users = [SRC / "train.py", SRC / "bench" / "runner.py", SRC / "bench" / "flops_command.py",
+    users = [SRC / "training.py", SRC / "bench" / "runner.py", SRC / "bench" / "flops_command.py",
              SRC / "bench" / "ablate.py",
              *(BENCH / f"{name}.py" for name in ("gpu_record", "throughput"))]
     for path in users:
         calls = _calls(path)
         assert "plan_run" in calls, f"{path.name} does not plan with plan_run"
-        assert "fit_batch_to_device" not in calls or path.name == "train.py", f"{path.name} fits the batch itself"
+        assert "fit_batch_to_device" not in calls or path.name == "training.py", f"{path.name} fits the batch itself"

@@ -223,6 +223,12 @@ def test_every_recipe_field_is_set_away_from_its_default_by_some_run():
     for item in sorted(set(re.findall(r'"((?:distributed|model\.norm)\.\w+=[^"{]+)"', source))):
         values = _flatten(load_recipe("fashion-mnist", [item]).to_dict())
         exercised |= {k for k, v in values.items() if k not in defaults or v not in defaults[k]}
+    # the network tests (test_custom_network.py; test_timm_networks.py, in CI's torch 2.14.1 stage) set the
+    # [model] fields of timm's networks and of your own as "model.FIELD=..." overrides or "FIELD": recipe keys
+    source = "".join((Path(__file__).parent / f).read_text() for f in ("test_custom_network.py",
+                                                                        "test_timm_networks.py", "networks.py"))
+    exercised |= {f"model.{k}" for k in set(re.findall(r'model\.(\w+)=', source)) | set(re.findall(r'"(\w+)": ', source))
+                  if f"model.{k}" in set(field_paths(Recipe))}
     # a tag of a union (model.name, schedule.kind) has one default per member: every member is used
     exercised |= {k for k, d in defaults.items() if len(set(map(str, d))) > 1 and all(x in seen.get(k, []) for x in d)}
     # max-autotune is refused on a CPU and CUDA graphs replay only on CUDA (see tests/matrix.py)

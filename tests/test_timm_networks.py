@@ -72,6 +72,18 @@ def test_timm_networks_of_four_families_learn_from_random_weights(npz32, tmp_pat
 # Blocks and the classifier, as timm groups them
 # ------------------------------------------------------------------------------------------
 
+def test_the_regularisation_fields_reach_timms_network():
+    """model.drop_rate and model.drop_path_rate are timm's own arguments: the dropout before the
+    classifier and stochastic depth rising to drop_path_rate at the last block."""
+    cfg = load_recipe("fashion-mnist", ["model.name=timm", "model.arch=convnext_atto", "model.drop_rate=0.25",
+                                        "model.drop_path_rate=0.1"]).model
+    with torch.device("meta"):
+        model = build_model(cfg, 3, 7)
+    assert model.drop_rate == 0.25
+    rates = [m.drop_prob for m in model.modules() if type(m).__name__ == "DropPath"]
+    assert rates and max(rates) == pytest.approx(0.1) and min(rates) < max(rates)
+
+
 @pytest.mark.parametrize("arch", ["convnext_atto", "mobilenetv3_small_050", "vit_tiny_patch16_224"])
 def test_blocks_and_classifier_are_timms_own(arch):
     from timm.models import group_parameters
