@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,9 @@ DEFINITIONS = {
                          "compiling: both run eager on a CPU, see compile)",
     "images_per_s": "training images (steps x batch) / the sum of epoch_seconds",
     "process_seconds": "the whole process from outside: interpreter start (imports, data, model) to exit",
+    "process_cpu_seconds": "the CPU seconds (user + system) the whole process used (getrusage of the children)",
+    "core_share": "process_cpu_seconds / (process_seconds x threads): near 1 where each thread had a core to "
+                  "itself; other work on the machine lowers it (a contention gauge, per process)",
     "eval_seconds": "the final test-set evaluation (speedrun: final_eval_seconds), outside the epochs",
     "speedrun_over_plain": "per network: median speedrun seconds_per_epoch / median plain seconds_per_epoch "
                            "(below 1: speedrun's epoch is faster); per_round: the same within each round",
@@ -142,38 +146,46 @@ def speedrun_recipe(args, network: str, work: Path) -> Path:
     return path
 
 
-def run_process(cmd: list[str], threads: int, log: Path) -> float:
-    """``cmd`` with ``threads`` OpenMP threads, its output in ``log``; its wall seconds, start to exit."""
+def child_cpu_seconds() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def run_process(cmd: list[str], threads: int, log: Path) -> tuple[float, float]:
+    """``cmd`` with ``threads`` OpenMP threads, its output in ``log``: its wall seconds, start to exit, and the
+    CPU seconds (user + system) it and its children used (one process at a time, so the difference of this
+    script's children's usage)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log, "w") as out:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), child_cpu_seconds()
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent).returncode
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, child_cpu_seconds() - cpu
     if rc:
         raise SystemExit(f"any_network: error: {' '.join(cmd)} failed with exit code {rc}; the end of its output "
                          f"({log}):\n" + log.read_text()[-3000:])
-    return wall
+    return wall, cpu
 
 
 def run_speedrun(args, network: str, work: Path, tag: str) -> dict:
     folder = work / f"speedrun-{tag}"
     cmd = [sys.executable, "-m", "speedrun", "train", str(speedrun_recipe(args, network, work)), "--data-dir",
            str(work / "slice.npz"), "--device", "cpu", "--out", str(folder)]
-    wall = run_process(cmd, args.threads, work / f"speedrun-{tag}.log")
+    wall, cpu = run_process(cmd, args.threads, work / f"speedrun-{tag}.log")
     s = json.loads((folder / "summary.json").read_text())
     epochs = [json.loads(line)["seconds"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
     start = [line for line in (work / f"speedrun-{tag}.log").read_text().splitlines() if line.startswith("speedrun: ")]
     return figures("speedrun", epochs, s["steps"], s["batch_size"], s["test_acc"], s["final_eval_seconds"], wall,
-                   precision=s["precision"], threads=s["torch_threads"], compile=s["compile"],
+                   cpu, precision=s["precision"], threads=s["torch_threads"], compile=s["compile"],
                    compile_seconds=s["compile_seconds"], channels_last=s["channels_last"],
                    train_seconds=s["train_seconds"], start_lines=start, command=" ".join(cmd))
 
 
-def figures(system, epochs, steps, batch, acc, eval_s, wall, **extra) -> dict:
+def figures(system, epochs, steps, batch, acc, eval_s, wall, cpu, **extra) -> dict:
     seconds = sum(epochs)
     return {"system": system, "seconds_per_epoch": seconds / len(epochs), "epoch_seconds": epochs,
-            "images_per_s": steps * batch / seconds, "process_seconds": wall, "test_acc": acc,
-            "eval_seconds": eval_s, "steps": steps, "batch_size": batch, **extra}
+            "images_per_s": steps * batch / seconds, "process_seconds": wall, "process_cpu_seconds": cpu,
+            "core_share": cpu / (wall * extra["threads"]) if wall else None, "test_acc": acc, "eval_seconds": eval_s, "steps": steps,
+            "batch_size": batch, **extra}
 
 
 # --- the plain loop, in its own process -------------------------------------------------------
@@ -239,7 +251,7 @@ def plain(args, work: Path) -> dict:
         for i in range(0, len(xte), 500):
             x = xte[i:i + 500].contiguous(memory_format=torch.channels_last)
             right += int((model(x).argmax(1) == yte[i:i + 500]).sum())
-    return figures("plain", epochs, steps, args.batch_size, right / len(xte), time.perf_counter() - t, None,
+    return figures("plain", epochs, steps, args.batch_size, right / len(xte), time.perf_counter() - t, None, None,
                    precision="bf16" if bf16 else "fp32", threads=torch.get_num_threads(), compile=False,
                    channels_last=True, optimizer="torch.optim.AdamW", loader="DataLoader(TensorDataset, shuffle=True, "
                    "drop_last=True), no workers")
@@ -249,8 +261,9 @@ def run_plain(args, argv, network: str, work: Path, tag: str) -> dict:
     result = work / f"plain-{tag}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", "plain", "--network", network,
            "--work", str(work)]
-    wall = run_process(cmd + ["--out", str(result)], args.threads, work / f"plain-{tag}.log")
-    return {**json.loads(result.read_text()), "process_seconds": wall, "command": " ".join(cmd)}
+    wall, cpu = run_process(cmd + ["--out", str(result)], args.threads, work / f"plain-{tag}.log")
+    return {**json.loads(result.read_text()), "process_seconds": wall, "process_cpu_seconds": cpu,
+            "core_share": cpu / (wall * args.threads), "command": " ".join(cmd)}
 
 
 # --- the record --------------------------------------------------------------------------------
@@ -275,7 +288,8 @@ def summarise(rounds: list[dict], networks: list[str]) -> dict:
             runs = [r[net][system] for r in rounds if system in r.get(net, {})]
             if runs:
                 row[system] = {k: statistics.median(p[k] for p in runs) for k in
-                               ("seconds_per_epoch", "images_per_s", "process_seconds", "test_acc", "eval_seconds")}
+                               ("seconds_per_epoch", "images_per_s", "process_seconds", "process_cpu_seconds",
+                                "core_share", "test_acc", "eval_seconds")}
                 row[system]["runs"] = len(runs)
         if len(row) == 2:
             row["speedrun_over_plain"] = row["speedrun"]["seconds_per_epoch"] / row["plain"]["seconds_per_epoch"]
