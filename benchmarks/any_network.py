@@ -110,6 +110,8 @@ def parse(argv):
                 f"50,000 (and --test-images at most 10,000)")
     if args.lr <= 0:
         p.error(f"--lr {args.lr}: give a positive LR")
+    if not args.child and args.out.exists():            # (before any import: speedrun's own check follows)
+        p.error(f"--out {args.out}: already exists; choose another name so that it is not overwritten")
     return args
 
 
@@ -316,23 +318,24 @@ def main(argv=None) -> int:
     if not (Path(args.data_dir) / "cifar-10-batches-py").is_dir():
         raise SystemExit(f"any_network: error: --data-dir {args.data_dir}: no cifar-10-batches-py/ there; give "
                          "the folder that holds CIFAR-10 ($SPEEDRUN_DATA)")
-    try:
-        import timm
-    except ImportError:
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("timm") is None or importlib.util.find_spec("torchvision") is None:
         raise SystemExit("any_network: error: timm is not installed beside this torch; run with the Python of a "
                          "venv that has timm and torchvision (.venv-2.14)")
     import torch
     child_argv = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
     child_argv = [a for a in child_argv if not a.startswith("--out=")]
     record = {"benchmark": "speedrun train against a plain PyTorch loop on networks speedrun did not design",
-              "note": args.note, "networks": args.network_list, "narrow": args.narrow,
+              "note": args.note, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "networks": args.network_list, "narrow": args.narrow,
               "models": {n: model_spec(args, n) for n in args.network_list},
               "train_images": args.train_images, "test_images": args.test_images, "epochs": args.epochs,
               "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay,
               "schedule": "piecewise linear: 0.1x at step 0, 1x at 20% of the steps, 0 at the end",
               "augmentation": "random horizontal flip, random 2-pixel shift (reflect-padded), per image",
               "label_smoothing": 0.1, "threads": args.threads, "seed": args.seed,
-              "bf16_units": list(cpu_bf16_units()), "timm_version": timm.__version__, "torch": torch.__version__,
+              "bf16_units": list(cpu_bf16_units()), "timm_version": importlib.metadata.version("timm"), "torch": torch.__version__,
               "data": args.data_dir, "definitions": DEFINITIONS, "environment": machine(), "rounds": []}
     with tempfile.TemporaryDirectory(prefix="any-network-") as tmp:
         work = Path(tmp)

@@ -75,6 +75,8 @@ def exports_compute_the_runs_outputs(cli, run, npz32, folder):
     """``speedrun export`` of a timm network's run: TorchScript that gives the run's model's logits on the
     512 test images (uint8 pixels in, normalised inside), safetensors holding model.pt's tensors, and ONNX,
     whose packages .venv-2.14 lacks, refused in one line naming the pip install, nothing written."""
+    import warnings
+
     import numpy as np
     from safetensors.torch import load_file
 
@@ -83,9 +85,12 @@ def exports_compute_the_runs_outputs(cli, run, npz32, folder):
         rc, err = cli("export", run, "--format", fmt, "--out", folder / name, "--data-dir", npz32)
         assert rc == 0, err
     loaded, x_u8 = load_run(run, "cpu"), torch.from_numpy(np.load(npz32)["x_test"])
+    with warnings.catch_warnings():                     # (torch deprecates TorchScript; it still loads)
+        warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+        module = torch.jit.load(str(folder / "net.pt"))
     with torch.no_grad():
         expected = loaded.model(normalise(loaded, x_u8).contiguous(memory_format=loaded.runtime.memory_format))
-        logits = torch.jit.load(str(folder / "net.pt"))(x_u8.float())
+        logits = module(x_u8.float())
     assert expected.shape == (512, 10) and (logits - expected).abs().max().item() <= 1e-4
     weights, tensors = torch.load(run / "model.pt", weights_only=True), load_file(folder / "net.safetensors")
     assert tensors.keys() == weights.keys() and all(torch.equal(tensors[k], weights[k]) for k in weights)
