@@ -319,6 +319,16 @@ SECTIONS = [  # (title, what its records measured, [(table id, title, headers)])
      "where there are several). The last column divides speedrun's seconds by the fastest other peer's.",
      [("peers", "Peers", ["record", *WHERE, "epochs × rounds", "plain loop", "Lightning", "speedrun",
                           "speedrun ÷ fastest peer: epoch / final TTA / process"])]),
+    ("speedrun on networks it did not design",
+     "`benchmarks/any_network.py`: timm's networks and a factory's plain conv net from random weights on a slice "
+     "of CIFAR-10 at 32 px, trained by `speedrun train` and by a plain PyTorch loop (torch.optim.AdamW, a "
+     "DataLoader, bf16 autocast where native, channels_last), each in a fresh process, the same threads, batch, "
+     "epochs, schedule and augmentation. Each system's cell: seconds per epoch (its own epoch timing; median "
+     "over rounds); accuracy; the median share of a core each process got (below 1: the machine was shared). "
+     "The last column divides speedrun's seconds per epoch by the plain loop's (below 1: speedrun faster), "
+     "with each round's ratio.",
+     [("any_network", "Networks", ["record", "network", *WHERE, "images × epochs × rounds", "plain loop",
+                                   "speedrun", "speedrun ÷ plain loop: epoch (rounds)"])]),
     ("Fashion-MNIST demo",
      "The `fashion-mnist` demo: whole `speedrun train` processes, `speedrun bench` (seeded runs in one process, "
      "timed over `train+eval`) and `speedrun ablate` (each trick left out in turn).",
@@ -523,6 +533,22 @@ def peers(d: dict, rec: Record):
     cells = ["; ".join([pct(figures[n][0]), *map(num, figures[n][1:])]) if n in figures else DASH
              for n in ("plain", "lightning", "speedrun")]
     return [("peers", [f"{epochs:g} × {len(d.get('rounds') or []) or 1}" if is_num(epochs) else DASH, *cells, ratios])]
+
+
+def any_network(d: dict, rec: Record):
+    """`benchmarks/any_network.py`: a row per network, each system's medians and speedrun's ratio."""
+    size = f"{count(d['train_images'])} × {d['epochs']} × {len(d['rounds'])}"
+    out = []
+    for net in d["networks"]:
+        row = d["summary"][net]
+        label = f"{net} (narrow)" if d.get("narrow") else net
+        cells = ["; ".join([num(row[s]["seconds_per_epoch"]) + " s", pct(row[s]["test_acc"]),
+                            "core " + share(row[s].get("core_share"))]) if s in row else DASH
+                 for s in ("plain", "speedrun")]
+        ratios = (f"{ratio(row['speedrun_over_plain'])} ({', '.join(ratio(r) for r in row['per_round'])})"
+                  if is_num(row.get("speedrun_over_plain")) else DASH)
+        out.append(("any_network", [label, size, *cells, ratios]))
+    return out
 
 
 def sweep(d: dict, rec: Record):
@@ -795,6 +821,8 @@ KINDS = [
     (lambda d: d.get("benchmark") == "speedrun train, whole process" or isinstance(d.get("test_acc"), list)
      and ("combined_from" in d or "parts" in d), whole_runs, "train_cli.py"),
     (lambda d: has(d, "peers", "definitions"), peers, "peers.py"),
+    (lambda d: has(d, "networks", "rounds", "summary") and "did not design" in str(d.get("benchmark")), any_network,
+     "any_network.py"),
     (lambda d: has(d, "median_seconds_per_step", "speedrun_over_plain"), engine_vs_plain, "engine_vs_plain.py"),
     (lambda d: has(d, "pairs", "summary") and "after_process_seconds" in (d.get("summary") or {})
      or isinstance(d.get("after"), list) and isinstance(d.get("before"), list), before_after, None),

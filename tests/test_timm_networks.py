@@ -57,7 +57,8 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_timm_networks_of_four_families_learn_from_random_weights(npz32, tmp_path, cli, capsys, family):
     """Seeds 0, 1, 2: resnet10t 27.3%, 27.3%, 30.1%; convnext_atto 28.3%, 22.7%, 29.1%;
-    mobilenetv3_small_050 20.1%, 18.4%, 20.3%; vit_tiny_patch16_224 29.5%, 26.8%, 25.6% (bar 14.0%)."""
+    mobilenetv3_small_050 20.1%, 18.4%, 20.3%; vit_tiny_patch16_224 29.5%, 26.8%, 25.6% (bar 14.0%).
+    convnext_atto's run is then exported (exports_compute_the_runs_outputs)."""
     model, sections = FAMILIES[family]
     sections = {**sections, "optim": {**RECIPE["optim"], **sections.get("optim", {})}}
     summary, lines = trained(cli, capsys, tmp_path, npz32, {"name": "timm", **model}, **sections)
@@ -66,6 +67,43 @@ def test_timm_networks_of_four_families_learn_from_random_weights(npz32, tmp_pat
     assert f" {family}" in network and "from random weights (timm's own initialisation)" in network
     assert "trained at 32 px, evaluated at 32 px" in network
     assert load_recipe(str(tmp_path / "run" / "config.toml")).model.arch == family
+    if family == "convnext_atto":                       # (one family's run is enough to export)
+        exports_compute_the_runs_outputs(cli, tmp_path / "run", npz32, tmp_path)
+
+
+def exports_compute_the_runs_outputs(cli, run, npz32, folder):
+    """``speedrun export`` of a timm network's run: TorchScript that gives the run's model's logits on the
+    512 test images (uint8 pixels in, normalised inside), safetensors holding model.pt's tensors, and ONNX,
+    whose packages .venv-2.14 lacks, refused in one line naming the pip install, nothing written."""
+    import warnings
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from speedrun.use.loaded import load_run, normalise
+    for fmt, name in (("torchscript", "net.pt"), ("safetensors", "net.safetensors")):
+        rc, err = cli("export", run, "--format", fmt, "--out", folder / name, "--data-dir", npz32)
+        assert rc == 0, err
+    loaded, x_u8 = load_run(run, "cpu"), torch.from_numpy(np.load(npz32)["x_test"])
+    with warnings.catch_warnings():                     # (torch deprecates TorchScript; it still loads)
+        warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+        module = torch.jit.load(str(folder / "net.pt"))
+    with torch.no_grad():
+        expected = loaded.model(normalise(loaded, x_u8).contiguous(memory_format=loaded.runtime.memory_format))
+        logits = module(x_u8.float())
+    assert expected.shape == (512, 10) and (logits - expected).abs().max().item() <= 1e-4
+    weights, tensors = torch.load(run / "model.pt", weights_only=True), load_file(folder / "net.safetensors")
+    assert tensors.keys() == weights.keys() and all(torch.equal(tensors[k], weights[k]) for k in weights)
+    try:
+        import onnx, onnxruntime, onnxscript  # noqa: F401, E401
+    except ImportError:
+        rc, err = cli("export", run, "--format", "onnx", "--out", folder / "net.onnx", "--data-dir", npz32)
+        line = one_error_line(err)
+        assert rc == 2 and "--format onnx needs the Python packages" in line and "pip install" in line, line
+        assert not (folder / "net.onnx").exists()
+    else:
+        rc, err = cli("export", run, "--format", "onnx", "--out", folder / "net.onnx", "--data-dir", npz32)
+        assert rc == 0 and (folder / "net.onnx").stat().st_size > 0, err
 
 
 # ------------------------------------------------------------------------------------------
