@@ -317,7 +317,8 @@ def test_flops_command_reports_the_split(tmp_path, fashion_small):
 @pytest.mark.slow
 def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_small, capsys):
     """Interrupt a real ablation once its first variant is written, then resume it: the
-    finished variant is kept as it was and only the missing ones run."""
+    finished variant is kept as it was and only the missing ones run. (The killed ablation is a
+    real process; the refusals, the resume and the report run the same command in this one.)"""
     out = tmp_path / "abl"
     cmd = [sys.executable, "-m", "speedrun", "ablate", "fashion-mnist", "--runs", "2", "--data-dir", str(fashion_small),
            "--out", str(out), *TINY_BENCH, "--set", "train.epochs=2", "--tricks", "label_smoothing,tta"]
@@ -345,7 +346,7 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_sm
     assert "--runs (2 in the record, 3 now)" in capsys.readouterr().err
     assert json.loads(record_path.read_text()) == interrupted
 
-    speedrun(*cmd[3:], "--resume")
+    assert main([*cmd[3:], "--resume"]) == 0, capsys.readouterr().err
     done = json.loads(record_path.read_text())
     assert [v["label"] for v in done["variants"]] == ["recipe", "without label_smoothing", "without tta"]
     kept = interrupted["variants"]
@@ -353,7 +354,7 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_sm
     assert done["resumed"][0]["kept"] == [v["label"] for v in kept]
     assert all(v["delta_acc"] is not None for v in done["variants"][1:])
     assert (out / "ablation.png").exists()
-    speedrun("report", out)
+    assert main(["report", str(out)]) == 0, capsys.readouterr().err
     assert "resumed (1)" in (out / "report.md").read_text()
 
 
