@@ -358,18 +358,19 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_sm
     assert "resumed (1)" in (out / "report.md").read_text()
 
 
-def test_ablate_resume_needs_a_record(tmp_path, fashion_small):
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "none",
-                    "--resume", check=False)
-    assert proc.returncode == 2 and "no such ablate.json (nothing to resume" in proc.stderr
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--resume", check=False)
-    assert proc.returncode == 2 and "--resume needs --out" in proc.stderr
+def test_ablate_resume_needs_a_record(tmp_path, fashion_small, cli):
+    # (refusals through the command's code in this process; tests/test_failures.py runs them in real ones)
+    code, err = cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "none",
+                    "--resume")
+    assert code == 2 and "no such ablate.json (nothing to resume" in err
+    code, err = cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--resume")
+    assert code == 2 and "--resume needs --out" in err
 
 
-def test_compare_names_a_missing_or_broken_record(tmp_path):
+def test_compare_names_a_missing_or_broken_record(tmp_path, cli):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "bench.json").write_text('{"runs": [')
-    proc = speedrun("compare", tmp_path / "absent", tmp_path / "broken", check=False)
-    assert proc.returncode == 1 and "absent: no such bench.json" in proc.stderr
-    proc = speedrun("compare", tmp_path / "broken", tmp_path / "broken", check=False)
-    assert proc.returncode == 1 and "broken/bench.json: not a valid bench.json" in proc.stderr
+    code, err = cli("compare", tmp_path / "absent", tmp_path / "broken")
+    assert code == 1 and "absent: no such bench.json" in err
+    code, err = cli("compare", tmp_path / "broken", tmp_path / "broken")
+    assert code == 1 and "broken/bench.json: not a valid bench.json" in err
