@@ -2,6 +2,7 @@
 session (shared by pytest-xdist's workers through a file lock)."""
 import os
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,18 @@ def bench_records(artifacts, fashion_small):
             (root / f"{name}.stdout").write_text(proc.stdout)
     root = build_once(artifacts, "bench-records", build)
     return (root, *((root / f"{n}.stdout").read_text() for n in ("a", "b", "abl")))
+
+
+@pytest.fixture(scope="session")
+def cifar_archive(artifacts, data_dir) -> Path:
+    """The real CIFAR-10 folder packed as its official archive is, cifar-10-python.tar.gz (gzip
+    level 1), made once per session: the tests that download it, find it beside the data or
+    beside a user's folder of its name copy or link it."""
+    def build(tmp):
+        tmp.mkdir()
+        with tarfile.open(tmp / "cifar-10-python.tar.gz", "w:gz", compresslevel=1) as tar:
+            tar.add(data_dir / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    return build_once(artifacts, "cifar-archive", build) / "cifar-10-python.tar.gz"
 
 
 

@@ -317,7 +317,8 @@ def test_flops_command_reports_the_split(tmp_path, fashion_small):
 @pytest.mark.slow
 def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_small, capsys):
     """Interrupt a real ablation once its first variant is written, then resume it: the
-    finished variant is kept as it was and only the missing ones run."""
+    finished variant is kept as it was and only the missing ones run. (The killed ablation is a
+    real process; the refusals, the resume and the report run the same command in this one.)"""
     out = tmp_path / "abl"
     cmd = [sys.executable, "-m", "speedrun", "ablate", "fashion-mnist", "--runs", "2", "--data-dir", str(fashion_small),
            "--out", str(out), *TINY_BENCH, "--set", "train.epochs=2", "--tricks", "label_smoothing,tta"]
@@ -345,7 +346,7 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_sm
     assert "--runs (2 in the record, 3 now)" in capsys.readouterr().err
     assert json.loads(record_path.read_text()) == interrupted
 
-    speedrun(*cmd[3:], "--resume")
+    assert main([*cmd[3:], "--resume"]) == 0, capsys.readouterr().err
     done = json.loads(record_path.read_text())
     assert [v["label"] for v in done["variants"]] == ["recipe", "without label_smoothing", "without tta"]
     kept = interrupted["variants"]
@@ -353,22 +354,23 @@ def test_ablate_resume_keeps_finished_variants_after_a_kill(tmp_path, fashion_sm
     assert done["resumed"][0]["kept"] == [v["label"] for v in kept]
     assert all(v["delta_acc"] is not None for v in done["variants"][1:])
     assert (out / "ablation.png").exists()
-    speedrun("report", out)
+    assert main(["report", str(out)]) == 0, capsys.readouterr().err
     assert "resumed (1)" in (out / "report.md").read_text()
 
 
-def test_ablate_resume_needs_a_record(tmp_path, fashion_small):
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "none",
-                    "--resume", check=False)
-    assert proc.returncode == 2 and "no such ablate.json (nothing to resume" in proc.stderr
-    proc = speedrun("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--resume", check=False)
-    assert proc.returncode == 2 and "--resume needs --out" in proc.stderr
+def test_ablate_resume_needs_a_record(tmp_path, fashion_small, cli):
+    # (refusals through the command's code in this process; tests/test_failures.py runs them in real ones)
+    code, err = cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--out", tmp_path / "none",
+                    "--resume")
+    assert code == 2 and "no such ablate.json (nothing to resume" in err
+    code, err = cli("ablate", "fashion-mnist", "--runs", 2, "--data-dir", fashion_small, "--resume")
+    assert code == 2 and "--resume needs --out" in err
 
 
-def test_compare_names_a_missing_or_broken_record(tmp_path):
+def test_compare_names_a_missing_or_broken_record(tmp_path, cli):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "bench.json").write_text('{"runs": [')
-    proc = speedrun("compare", tmp_path / "absent", tmp_path / "broken", check=False)
-    assert proc.returncode == 1 and "absent: no such bench.json" in proc.stderr
-    proc = speedrun("compare", tmp_path / "broken", tmp_path / "broken", check=False)
-    assert proc.returncode == 1 and "broken/bench.json: not a valid bench.json" in proc.stderr
+    code, err = cli("compare", tmp_path / "absent", tmp_path / "broken")
+    assert code == 1 and "absent: no such bench.json" in err
+    code, err = cli("compare", tmp_path / "broken", tmp_path / "broken")
+    assert code == 1 and "broken/bench.json: not a valid bench.json" in err

@@ -19,7 +19,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tarfile
 import zlib
 from pathlib import Path
 
@@ -770,15 +769,14 @@ def test_a_recipe_name_cannot_place_the_run_outside_runs(tmp_path, cli, cifar_sm
 # Nothing the user wrote is deleted or overwritten
 # ------------------------------------------------------------------------------------------
 
-def test_the_users_folder_beside_the_official_archive_is_kept(tmp_path, data_dir):
+def test_the_users_folder_beside_the_official_archive_is_kept(tmp_path, data_dir, cifar_archive):
     shared = data_dir                                       # the real, official CIFAR-10 files
     root = tmp_path / "data"
     (root / "cifar-10-batches-py").mkdir(parents=True)
     notes = root / "cifar-10-batches-py" / "my-notes.txt"
     notes.write_text("my own notes on CIFAR-10, kept in the folder of its name\n")
     archive = root / "cifar-10-python.tar.gz"
-    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
-        tar.add(shared / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    shutil.copyfile(cifar_archive, archive)                 # (the real files, packed once per session)
     archive_digest = hashlib.sha256(archive.read_bytes()).hexdigest()
 
     out = tmp_path / "export"

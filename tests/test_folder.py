@@ -276,15 +276,17 @@ def test_host_and_device_random_resized_boxes_follow_the_same_rule():
 
 def test_streamed_run_resumes_bit_for_bit_from_a_mid_epoch_checkpoint(jpeg_dir, tmp_path):
     import shutil
-    args = ["--data-dir", jpeg_dir, *QUICK, "--set", "train.epochs=8", "--set", "data.batch_size=128",
-            "--set", "checkpoint.every_steps=5", "--set", "augment.crop=random_resized",
+    # 2 epochs of 4 steps: the last checkpoint, at step 6, is in the middle of the second epoch,
+    # so the resume re-seeds a later epoch's workers and crops and continues inside it
+    args = ["--data-dir", jpeg_dir, *QUICK, "--set", "train.epochs=2", "--set", "data.batch_size=128",
+            "--set", "checkpoint.every_steps=3", "--set", "augment.crop=random_resized",
             "--set", "augment.rrc_scale=[0.5, 1.0]"]
-    speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 32 steps; last checkpoint at 30
+    speedrun("train", "folder", "--out", tmp_path / "whole", *args)       # 8 steps; last checkpoint at 6
     cut = tmp_path / "cut"
     cut.mkdir()
     for name in ("config.toml", "checkpoint.pt"):
         shutil.copy(tmp_path / "whole" / name, cut / name)
-    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 30
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 6
     speedrun("train", "--resume", cut, "--data-dir", jpeg_dir)
     a = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     b = torch.load(cut / "model.pt", weights_only=True)

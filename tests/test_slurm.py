@@ -76,8 +76,12 @@ class LocalSlurm:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            # a requeued job waits out the credentials' lifetime before it starts again (120 s by default)
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            # a requeued job waits out the credentials' lifetime before it starts again (120 s by
+            # default, 5 s here)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=5",
+            # ... and then for a scheduler pass to start it: the main one every second (60 s by
+            # default, the backfill pass every 30 s), so it starts as its credentials expire
+            "SchedulerParameters=sched_interval=1",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",

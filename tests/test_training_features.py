@@ -128,9 +128,9 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(fashion_sm
                                                                         for r in ref]
 
 
-def test_resume_needs_a_checkpoint(tmp_path):
-    proc = speedrun("train", "--resume", tmp_path, check=False)
-    assert proc.returncode == 1 and "no checkpoint to resume from" in proc.stderr
+def test_resume_needs_a_checkpoint(tmp_path, cli):
+    code, err = cli("train", "--resume", tmp_path)
+    assert code == 1 and "no checkpoint to resume from" in err
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -220,16 +220,16 @@ def test_distillation_loss_is_temperature_scaled_kl():
     assert distillation_loss(t, t, T) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_distill_from_a_teacher_checkpoint(fashion_small, tmp_path, accumulated):
+def test_distill_from_a_teacher_checkpoint(fashion_small, tmp_path, accumulated, cli):
     # the teacher: the accumulated run above (its config.toml beside its weights says how to build it)
     speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "student", *TINY,
              "--set", "train.epochs=16", "--set", f"distill.teacher={accumulated / 'model.pt'}",
              "--set", "model.widths=[8,8,8]")
     s = json.loads((tmp_path / "student" / "summary.json").read_text())
     assert s["test_acc"] > 0.4                            # a smaller net than its teacher
-    proc = speedrun("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "x", *TINY,
-                    "--set", f"distill.teacher={tmp_path / 'missing.pt'}", check=False)
-    assert proc.returncode == 1 and "distill.teacher" in proc.stderr
+    code, err = cli("train", "fashion-mnist", "--data-dir", fashion_small, "--out", tmp_path / "x", *TINY,
+                    "--set", f"distill.teacher={tmp_path / 'missing.pt'}")
+    assert code == 1 and "distill.teacher" in err
 
 
 # ---------------------------------------------------------- mixing, LARS, LAMB end to end
