@@ -5,9 +5,10 @@ and fp16 with loss scaling; eager, it has no host sync either. These fail when a
 or a sync creeps back into the step.
 
 Compiled with aot_eager (dynamo's capture and AOTAutograd's joint graph, as inductor gets
-them, without code generation), on narrow nets, batches of 64 and 64 test images: the counts
-do not depend on width or batch size (on a CPU without native bf16 and fp16, half-precision
-convolutions run a slow reference kernel, and these sizes keep the tests short there). Some
+them, without code generation), on narrow nets, batches of 64 (fp16: 32) and 64 test images:
+the counts do not depend on width or batch size (on a CPU without native bf16 and fp16,
+half-precision convolutions run a slow reference kernel, and these sizes keep the tests short
+there). Some
 steps are counted as a CPU runs them, others as CUDA runs them with CUDA graphs on (the GPU
 record recipe's way), where the compiled graphs' inputs are checked in the same compile."""
 from __future__ import annotations
