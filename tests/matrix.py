@@ -297,17 +297,21 @@ FIELDS: list[Entry] = [
 # cuda_graph_inputs.py); the others as a CPU runs them. Where a step is both counted and
 # checked, one compile does both.
 _NARROW = ["model.widths=[16,32,32]"]
+# fp16 and bf16, emulated on CPUs without them (fp16 by a slow reference convolution everywhere), at
+# half those widths: the graphs, their parameters and inputs do not depend on the widths
+_NARROWER = ["model.widths=[8,16,16]"]
 # They run on batches of 64 and 64 test images: the counts depend on neither (a half-precision
 # convolution on a CPU without native bf16 and fp16 runs a slow reference kernel; small batches
 # keep it short there).
 STRUCTURE_BATCHES = ["data.batch_size=64", "eval.batch_size=64"]
+_FP16 = [*_NARROWER, "data.batch_size=32"]      # (fp16, slow everywhere: batches of 32)
 STEP_ROWS: list[tuple[str, str, list[str], bool]] = [
     ("cifar10-94", "fp32", _NARROW, False),
-    ("cifar10-94", "fp16", _NARROW, True),                       # loss scaling, skip on the device
-    ("cifar10-94-fast", "bf16", _NARROW, True),                  # orthogonal filter updates
+    ("cifar10-94", "fp16", _FP16, True),                         # loss scaling, skip on the device
+    ("cifar10-94-fast", "bf16", _NARROWER, True),                # orthogonal filter updates
     ("dawnbench-resnet18", "bf16", ["model.width=8", "augment.cutmix=1.0",    # mixing, LAMB, one-cycle momentum
                                     "optim.name=lamb", "optim.lr=0.02"], True),
-    ("fashion-mnist", "bf16", [*_NARROW, "optim.name=lars", "schedule={kind='onecycle', peak_at=0.3, start=0.1, "
+    ("fashion-mnist", "bf16", [*_NARROWER, "optim.name=lars", "schedule={kind='onecycle', peak_at=0.3, start=0.1, "
                                "end=0.01, momentum_low=0.8}", "averaging.kind=ema", "averaging.decay=0.9"], False),
 ]
 # ... and the rows only checked for their graphs' inputs (warmed up as on CUDA, not counted). The

@@ -296,10 +296,14 @@ def test_one_compiled_model_per_process_and_no_recompiles_after_the_warm_up(smal
     plans = [("model.widths=[8,16,16]", "data.batch_size=512"), ("model.widths=[8,16,16]", "data.batch_size=512"),
              ("model.widths=[8,16,16]", "data.batch_size=256"), ("model.widths=[8,8,8]", "data.batch_size=512"),
              ("model.widths=[8,16,16]", "data.batch_size=512")]
+    # 4 steps of 512 (or 8 of 256) a run, on the slice's first 2,048 images; its first 500 test
+    # images in one batch (the evaluation's shapes are not what this counts)
+    small = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048],
+                                test_x=small.test_x[:500], test_y=small.test_y[:500])
     models, warm_graphs = [], []
     for i, plan in enumerate(plans):
         before = compiled_graphs()
-        session = Session(_recipe("train.epochs=0.25", "eval.batch_size=1500", *plan), small, rt)
+        session = Session(_recipe("train.epochs=1", "eval.batch_size=500", *plan), small, rt)
         warm_graphs.append(compiled_graphs() - before)
         models.append(session.model)
         result = session.run(seed=i)
@@ -399,9 +403,12 @@ def test_fp16_overflow_steps_are_skipped_and_only_a_long_run_of_them_stops_train
     by the scaler and counted, and the run goes on; overflow on every step stops it after
     NONFINITE_PATIENCE steps, naming the step. Without loss scaling (fp32) one stops it."""
     fp16 = _runtime(precision="fp16")
-    small = dataclasses.replace(small, train_x=small.train_x[:2048], train_y=small.train_y[:2048],
-                                test_x=small.test_x[:500], test_y=small.test_y[:500])   # fp16 is slow on a CPU
-    session = Session(_recipe("eval.every=0", "data.batch_size=128", "eval.batch_size=500"), small, fp16)
+    # fp16 is slow on a CPU: 16 steps of 32 an epoch (the same steps as 2,048 images in batches of
+    # 128, a quarter of the work), 128 test images without TTA
+    small = dataclasses.replace(small, train_x=small.train_x[:512], train_y=small.train_y[:512],
+                                test_x=small.test_x[:128], test_y=small.test_y[:128])
+    sets = ("eval.every=0", "data.batch_size=32", "eval.batch_size=128", "eval.tta=none")
+    session = Session(_recipe(*sets), small, fp16)
     hook = session.model.register_forward_hook(InfOnTrainingCalls({3}))
     result = session.run()
     hook.remove()
@@ -413,10 +420,10 @@ def test_fp16_overflow_steps_are_skipped_and_only_a_long_run_of_them_stops_train
     # epoch 1 (16 steps, all skipped) did not stop the run: its weights, still the initial ones,
     # are the last good ones; the 20th overflow in a row, in epoch 2, stops it
     assert err.value.step == NONFINITE_PATIENCE and err.value.last_good_step == 16
-    initial = dict(Session(_recipe("eval.every=0", "data.batch_size=128", "eval.batch_size=500"), small, fp16).model.named_parameters())
+    initial = dict(Session(_recipe(*sets), small, fp16).model.named_parameters())
     initial.pop("features.0.bias")                        # the whitening bias is fitted from the data
     assert all(torch.equal(err.value.last_good[k], p) for k, p in initial.items())   # (BN statistics moved)
-    fp32 = Session(_recipe("eval.every=0", "data.batch_size=128", "eval.batch_size=500"), small, _runtime())
+    fp32 = Session(_recipe(*sets), small, _runtime())
     fp32.model.register_forward_hook(InfOnTrainingCalls({3}))
     with pytest.raises(NonFiniteLoss) as err:
         fp32.run()

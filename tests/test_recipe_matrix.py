@@ -39,6 +39,7 @@ from speedrun.cli import main
 from speedrun.recipe import Recipe, load_recipe, shipped_recipes
 
 from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, bar, command, step_features
+from small_data import build_once
 from test_cli import speedrun
 from test_docs import field_paths
 
@@ -49,12 +50,25 @@ def _data(request, name: str):
     return request.getfixturevalue(name)
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory, cifar_small):
-    out = tmp_path_factory.mktemp("teacher") / "run"
-    assert main(["train", "cifar10-94", "--data-dir", str(cifar_small), "--out", str(out), "--device", "cpu",
-                 *sum((["--set", s] for s in NPZ + SPEEDNET), [])]) == 0
-    return out / "model.pt"
+TEACHER = MATRIX[0]
+"""cifar10-94 in fp32, eager, on CIFAR-10's first 1,024 images: a matrix entry whose run is also
+the model the distillation entry distils from and the fine-tuning entries start from."""
+assert TEACHER.recipe == "cifar10-94" and TEACHER.data == "cifar_small" and TEACHER.backend is None \
+    and TEACHER.precision == "fp32" and TEACHER.sets == tuple(NPZ + SPEEDNET) and not TEACHER.args
+
+
+@pytest.fixture(scope="session")
+def teacher_run(artifacts, cifar_small) -> Path:
+    """TEACHER's run folder, trained once per test session (shared by xdist's workers)."""
+    def build(out):
+        argv, env = command(TEACHER, cifar_small, out)
+        assert not env and main(argv) == 0
+    return build_once(artifacts, "matrix-teacher-run", build)
+
+
+@pytest.fixture
+def teacher(teacher_run):
+    return teacher_run / "model.pt"
 
 
 def _train(entry: Entry, data, out, monkeypatch, request) -> None:
@@ -134,6 +148,9 @@ def check_record(out, entry: Entry) -> dict:
 @pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.slow) if e.precision == "bf16" else e
                                    for e in MATRIX + FIELDS], ids=lambda e: e.id)   # (bf16: emulated on many CPUs)
 def test_recipe_trains_and_writes_a_complete_record(entry, tmp_path, monkeypatch, request):
+    if entry is TEACHER:                              # (trained once, for the entries that start from it too)
+        check_record(request.getfixturevalue("teacher_run"), entry)
+        return
     data = _data(request, entry.data)
     _train(entry, data, tmp_path / "run", monkeypatch, request)
     check_record(tmp_path / "run", entry)
