@@ -34,47 +34,43 @@ def check_environment(record: dict) -> None:
 def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_each_runs_folder(
         tmp_path, fashion_small, data_dir):
     """speedrun from a checkout named by --system (seed 3) beside the plain loop (on the first 2,048
-    Fashion-MNIST images), each alone; then speedrun alone and beside one `yes` process: every
-    process timed from outside, every speedrun run's folder kept (the plain loop has none). The
-    busy case is timed for one system: the plain loop beside a busy core cost about half of this
-    test's CPU and checked nothing that its run alone does not."""
+    Fashion-MNIST images), each alone, and speedrun again beside one `yes` process (--busy-systems:
+    the plain loop beside a busy core cost about half of this test's CPU and checked nothing that its
+    run alone does not), in one call: every process timed from outside, every speedrun run's folder
+    kept (the plain loop has none)."""
     out, keep = tmp_path / "train.json", tmp_path / "kept"
     train = ["--", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set", "train.epochs=3",
              "--set", "data.batch_size=128", "--set", "eval.tta=none", "--device", "cpu"]
     script("train_cli.py", "fashion-mnist", "--runs", "1", "--first-seed", "3", "--data-dir", data_dir,
-           "--out", tmp_path / "two.json", "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048",
-           "--keep-runs", tmp_path / "kept-two", *train, timeout=600)
-    two = json.loads((tmp_path / "two.json").read_text())
-    check_environment(two)
-    assert [(r["system"], r["busy_processes"]) for r in two["runs"]] == [("plain", 0), ("here", 0)]
-    assert two["runs"][0]["summary"]["test_acc"] > 0.13                # chance + 3 SE of 2,048
-    systems = two["summary"]["systems"]
-    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == two["environment"]["commit"]
-    assert all(len(row["alone"]["runs_s"]) == 1 and "busy" not in row for row in systems.values())
-    assert [p.name for p in (tmp_path / "kept-two").iterdir()] == ["here-run0"]
-    script("train_cli.py", "fashion-mnist", "--runs", "1", "--first-seed", "3", "--busy", "1", "--out", out,
-           "--system", f"here={ROOT}", "--keep-runs", keep, *train, timeout=600)
+           "--out", out, "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048",
+           "--busy", "1", "--busy-systems", "here", "--keep-runs", keep, *train, timeout=600)
     record = json.loads(out.read_text())
     check_environment(record)
     runs = record["runs"]
-    assert [(r["system"], r["busy_processes"]) for r in runs] == [("here", 0), ("here", 1)]
-    for r in runs + two["runs"]:
+    assert [(r["system"], r["busy_processes"]) for r in runs] == [("plain", 0), ("here", 0), ("here", 1)]
+    assert record["busy_systems"] == ["here"]
+    assert runs[0]["summary"]["test_acc"] > 0.13                       # chance + 3 SE of 2,048
+    systems = record["summary"]["systems"]
+    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == record["environment"]["commit"]
+    assert len(systems["plain"]["alone"]["runs_s"]) == 1 and "busy" not in systems["plain"]
+    assert "slowdown_busy_over_alone" not in systems["plain"]
+    for r in runs:
         assert r["process_wall_seconds"] > r["summary"]["train_seconds"] > 0
-    here = runs + two["runs"][1:]
-    assert [r["summary"]["seed"] for r in here] == [3, 3, 3]
+    here = runs[1:]
+    assert [r["summary"]["seed"] for r in here] == [3, 3]
     assert all(r["summary"]["test_acc"] > 0.5 for r in here)                        # learned (chance: 0.1)
     # speedrun's start line says how many threads it chose (one per core left idle by other work)
     assert all(any(line.startswith("speedrun: threads ") for line in r["stdout_head"]) for r in here), here
-    row = record["summary"]["systems"]["here"]
-    assert row["commit"] == head_commit()
+    row = systems["here"]
     assert len(row["alone"]["runs_s"]) == len(row["busy"]["runs_s"]) == 1
     assert row["slowdown_busy_over_alone"] == row["busy"]["median_s"] / row["alone"]["median_s"] > 0
     assert sorted(p.name for p in keep.iterdir()) == ["here-run0", "here-run0-busy1"]
     assert (keep / "here-run0-busy1" / "model.pt").is_file()
-    # a kept folder or a record that exists, or a --system that is no checkout, is refused before any run,
-    # writing nothing
+    # a kept folder or a record that exists, a --system that is no checkout, or --busy-systems naming no
+    # --system of the call, is refused before any run, writing nothing
     for bad, says in ((["--keep-runs", keep, "--system", f"here={ROOT}", "--busy", "1"], "--keep-runs"),
-                      (["--system", f"old={tmp_path}"], "no src/speedrun"), (["--out", out], "already exists")):
+                      (["--system", f"old={tmp_path}"], "no src/speedrun"), (["--out", out], "already exists"),
+                      (["--busy", "1", "--busy-systems", "plain"], "'plain' is not a --system")):
         again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist",
                                 "--out", tmp_path / "again.json", *map(str, bad)], capture_output=True, text=True)
         assert again.returncode == 2 and says in again.stderr and "Traceback" not in again.stderr
