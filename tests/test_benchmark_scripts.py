@@ -407,20 +407,31 @@ def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fas
     tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=3", "--set", "data.batch_size=128",
             "--set", "runtime.compile=off",
             "--set", "eval.tta=none"]
-    out = tmp_path / "same.json"
+    out, kept = tmp_path / "same.json", tmp_path / "kept"
     script("same_weights.py", same, "abc1234", "fashion-mnist", "--data-dir", fashion_small,
-           "--setting", "eager:runtime.compile=off", "--out", out, *tiny)
+           "--setting", "eager:runtime.compile=off", "--out", out, "--keep", kept, *tiny)
     record = json.loads(out.read_text())
     s = record["settings"][0]
     assert s["identical"] and s["same_test_acc"] and not s["differing_tensors"]
     assert s["runs"]["base"]["test_acc"] > 0.3 and record["base_commit"] == "abc1234"
+    # the changed tree against this checkout's run of the call above (kept: the same training, not made again)
+    changed_call = [sys.executable, str(ROOT / "benchmarks" / "same_weights.py"), str(changed), "def5678",
+                    "fashion-mnist", "--data-dir", str(fashion_small), "--setting", "eager:runtime.compile=off",
+                    "--this-from", str(kept)]
     out2 = tmp_path / "changed.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "same_weights.py"), str(changed), "def5678",
-                           "fashion-mnist", "--data-dir", str(fashion_small), "--out", str(out2), *tiny],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([*changed_call, "--out", str(out2), *tiny], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-2000:]
     s2 = json.loads(out2.read_text())["settings"][0]
     assert not s2["identical"] and s2["differing_tensors"]
+    assert s2["runs"]["this"]["reused_from"] == str(kept / "eager-this")
+    assert s2["runs"]["this"]["test_acc"] == s["runs"]["this"]["test_acc"]
+    # a kept run made with other arguments is refused before anything trains
+    out3 = tmp_path / "other.json"
+    proc = subprocess.run([*changed_call, "--out", str(out3), *tiny[:-2]], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "was made otherwise" in proc.stderr and "== eager: base" not in proc.stdout
+    assert not out3.exists()
 
 
 @pytest.mark.slow
