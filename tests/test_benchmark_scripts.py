@@ -174,7 +174,8 @@ NARROW_STEP = ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"
 @pytest.mark.slow
 def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
     """In fp32 only (the accumulated row follows --precisions): eager, compiled and accumulated
-    rows, the timing; the stop check."""
+    rows, the timing (narrowed by --set to the eager and compiled rows' recipe, so timed in their
+    sessions); the stop check."""
     out = tmp_path / "structure.json"
     script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
            "--backend", "aot_eager", "--timed-steps", 2, *NARROW_STEP, "--out", out, timeout=900)
@@ -190,6 +191,9 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
     assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
     assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
+    # (--set narrows the timing rows to the structure rows' recipe: timed in those rows' sessions, not built again)
+    assert all("structure row" in t["timed_in"] for t in record["timing"])
+    assert eager["ms_per_step"] == record["timing"][0]["ms_per_step"] and micro["ms_per_step"] == []
     # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
     stop = tmp_path / "stop-check.json"
     script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
