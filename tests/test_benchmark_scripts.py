@@ -371,7 +371,7 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
     out, data = tmp_path / "peers.json", tmp_path / "cifar10-slice.npz"
     subset_npz(cifar10, data, 2048, 1000)
     proc = script("peers.py", "--epochs", 2, "--rounds", 1, "--data-dir", data, "--set", "model.widths=[16,32,32]",
-                  "--set", "data.batch_size=256", "--set", "runtime.compile=off", "--out", out, timeout=900)
+                  "--set", "data.batch_size=256", "--set", "runtime.compile=off", "--peak-sizes", "256,512", "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
     assert record["data"] == str(data) and record["order"] == ["plain", "lightning", "speedrun"]
@@ -391,7 +391,8 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
     flops, rechecked = record["flops"], record["precision"] == "fp32" or record["bf16_units"]
     assert set(flops["achieved_flops_per_s_by_peer"]) == {"plain", "lightning", "speedrun"}
     assert flops["speedrun_training_utilisation"] > 0
-    assert len(flops["peak_recheck_flops_per_s_by_size"]) == (2 if rechecked else 0)    # (emulated bf16: none)
+    assert set(flops["peak_recheck_flops_per_s_by_size"]) == ({"256", "512"} if rechecked else set())  # (emulated bf16: none)
+    assert all(v > 0 for v in flops["peak_recheck_flops_per_s_by_size"].values())
     assert "peers: speedrun: test_acc" in proc.stdout
     page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)
     assert "## Other records" not in page and "`peers.json`" in page.split("## speedrun beside the plain loop", 1)[1]
