@@ -139,9 +139,9 @@ def ratios(peers: dict) -> dict:
             for name, p in peers.items() if name != "speedrun"} if s else {}
 
 
-def flop_figures(peers: dict) -> dict:
+def flop_figures(peers: dict, sizes: tuple[int, ...] = (1024, 2048)) -> dict:
     """speedrun's FLOP count over its training seconds and over each peer's seconds, the peak rechecked at
-    larger products (speedrun's summary holds its count, peak and utilisation)."""
+    square products of ``sizes`` (speedrun's summary holds its count, peak and utilisation)."""
     from speedrun.engine.flops import measured_peak
     s, trained = peers["speedrun"]["summary"], peers["speedrun"]["train_seconds_without_final_eval"]
     fine = s["precision"] == "fp32" or cpu_bf16_units()              # (emulated bf16 would take minutes)
@@ -150,7 +150,7 @@ def flop_figures(peers: dict) -> dict:
                                               if s["peak_flops_per_s"] else None),
             "achieved_flops_per_s_by_peer": {k: s["total_flops"] / p["train_seconds"] for k, p in peers.items()},
             "peak_recheck_flops_per_s_by_size": {str(n): measured_peak("cpu", s["precision"], size=n)
-                                                 for n in ((1024, 2048) if fine else ())}}
+                                                 for n in (sizes if fine else ())}}
 
 
 def round_order(peers: list[str], r: int) -> list[str]:
@@ -191,10 +191,18 @@ def parse(argv):
     a("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where native, else fp32")
     a("--threads", type=int, default=torch.get_num_threads(), help="torch threads in every peer")
     a("--rounds", type=int, default=1, help="every peer this many times, the order rotated each round: medians")
+    a("--peak-sizes", default="1024,2048", metavar="N,N", help="the square matrix products the peak is rechecked "
+      "at (default 1024,2048; not where bf16 is emulated)")
     a("--child", choices=["plain", "lightning"], help=argparse.SUPPRESS)
     a("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.overrides = [f"train.epochs={args.epochs!r}", *args.sets]        # (every peer's)
+    try:
+        args.peak_sizes = tuple(int(n) for n in args.peak_sizes.split(","))
+    except ValueError:
+        p.error(f"--peak-sizes {args.peak_sizes}: sizes written N,N (e.g. 1024,2048)")
+    if not args.peak_sizes or min(args.peak_sizes) < 1:
+        p.error(f"--peak-sizes {args.peak_sizes}: each at least 1")
     return args
 
 
@@ -241,7 +249,7 @@ def main(argv=None) -> int:
                       f"final eval {result['final_eval_seconds']:.1f} s, process {result['process_seconds']:.1f} s",
                       flush=True)
             if r == 0 and "speedrun" in record["peers"]:
-                record["flops"] = flop_figures(record["peers"])
+                record["flops"] = flop_figures(record["peers"], args.peak_sizes)
                 atomic_write_json(args.out, record)
     print(json.dumps(record.get("summary") or record.get("ratios_to_speedrun", {}), indent=2))
     return 0

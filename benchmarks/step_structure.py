@@ -8,7 +8,9 @@ loop makes after every step. Which rows, and what each counts: benchmarks/README
 
 The counts are taken on narrow nets (they do not depend on width), the times at the recipes' own
 widths, on the first 2,048 CIFAR-10 training images ($SPEEDRUN_DATA or ../shared/datasets),
-upscaled to 64 px for imagenet-resnet50.
+upscaled to 64 px for imagenet-resnet50. Where --set makes a timing row's recipe a structure
+row's (e.g. --set model.widths=... --set data.batch_size=...), its steps are timed in that row's
+session, after the counted steps, and the timing entry says so (``timed_in``).
 """
 from __future__ import annotations
 
@@ -58,13 +60,20 @@ def data(recipe: str, train: int = 2048, test: int = 512):
     return ds
 
 
+def overrides_of(name: str, sets: list[str], timing: bool) -> list[str]:
+    """A row's overrides: a structure row's on the narrow net, a timing row's at the recipe's own widths."""
+    batch = TIMED_BATCH[name] if timing else BATCH[name]
+    overrides = ([] if timing else NARROW[name]) + [f"data.batch_size={batch}", "eval.batch_size=512", *sets]
+    return overrides + (["eval.tta=none"] if name == "imagenet-resnet50" else [])
+
+
 def one(name: str, precision: str, compiled: bool, backend: str, sets: list[str], timed_steps: int = 0,
-        steps: int = 4, world=None) -> dict:
+        steps: int = 4, world=None, timing: bool | None = None) -> dict:
+    """One row: ``steps`` steps counted, then ``timed_steps`` timed, on the overrides of a timing row
+    (``timing``; default: where ``timed_steps``) or of a structure row."""
     os.environ[BACKEND_VARIABLE] = backend
-    batch = TIMED_BATCH[name] if timed_steps else BATCH[name]
-    overrides = ([] if timed_steps else NARROW[name]) + [f"data.batch_size={batch}", "eval.batch_size=512", *sets]
-    if name == "imagenet-resnet50":
-        overrides.append("eval.tta=none")
+    timing = bool(timed_steps) if timing is None else timing
+    overrides, batch = overrides_of(name, sets, timing), (TIMED_BATCH if timing else BATCH)[name]
     recipe = load_recipe(name, overrides)
     rt = Runtime(torch.device("cpu"), precision, compiled, True, "default", backend, cast=recipe.runtime.cast)
     t = time.perf_counter()
@@ -181,9 +190,20 @@ def main() -> int:
               "timing": kept.get("timing", []) if args.ddp_only else [], "ddp": kept.get("ddp", [])}
     structure = [(precision, compiled, []) for precision in precisions for compiled in (False, True)]
     structure.append((lead, True, ["train.accumulate=2"]))
+    timings = [(name, precision, compiled) for name in (recipes if args.timed_steps and not args.ddp_only else [])
+               for precision in args.timing_precisions.split(",") for compiled in (False, True)]
+    timed_in = {}        # (name, precision, compiled) -> a structure row whose session also timed the steps
     for name in recipes if not (args.no_structure or args.ddp_only) else []:
         for precision, compiled, sets in structure:
-            row = one(name, precision, compiled, args.backend, [*args.set, *sets])
+            # where --set makes a timing row's recipe this row's (a narrow timing), its steps are timed in
+            # this row's session, after the counted ones, rather than in a session built and compiled again
+            same = (not sets and (name, precision, compiled) in timings and load_recipe(
+                name, overrides_of(name, args.set, False)).digest() == load_recipe(
+                name, overrides_of(name, args.set, True)).digest())
+            row = one(name, precision, compiled, args.backend, [*args.set, *sets],
+                      timed_steps=args.timed_steps if same else 0, timing=False)
+            if same:
+                timed_in[(name, precision, compiled)] = row
             record["rows"].append(row)
             print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} {' '.join(sets)} {counts(row)}",
                   flush=True)
@@ -198,16 +218,20 @@ def main() -> int:
             print(f"{name:18} {lead:5} compiled DDP x{row['processes']} {' '.join(sets) or 'recipe buckets'}: "
                   f"{counts(row)}, regions by rank {row['compiled_regions_per_step_by_rank']}", flush=True)
             atomic_write_json(out, record)
-    for name in recipes if args.timed_steps and not args.ddp_only else []:
-        for precision in args.timing_precisions.split(","):
-            for compiled in (False, True):
-                row = one(name, precision, compiled, args.backend, args.set, timed_steps=args.timed_steps, steps=1)
-                record["timing"].append({k: row[k] for k in ("recipe", "precision", "compiled", "backend",
-                                                             "overrides", "ms_per_step", "build_and_warm_up_seconds")})
-                ms = row["ms_per_step"]
-                print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} {sum(ms) / len(ms):9.1f} "
-                      f"ms/step (min {min(ms):.1f}) warm-up {row['build_and_warm_up_seconds']:.1f} s", flush=True)
-                atomic_write_json(out, record)
+    for name, precision, compiled in timings:
+        row = timed_in.get((name, precision, compiled))
+        shared = row is not None
+        if not shared:
+            row = one(name, precision, compiled, args.backend, args.set, timed_steps=args.timed_steps, steps=1)
+        record["timing"].append({**{k: row[k] for k in ("recipe", "precision", "compiled", "backend",
+                                                       "ms_per_step", "build_and_warm_up_seconds")},
+                                 "overrides": overrides_of(name, args.set, True),
+                                 **({"timed_in": "the structure row's session (the same recipe)"}
+                                    if shared else {})})
+        ms = row["ms_per_step"]
+        print(f"{name:18} {precision:5} {'compiled' if compiled else 'eager':8} {sum(ms) / len(ms):9.1f} "
+              f"ms/step (min {min(ms):.1f}) warm-up {row['build_and_warm_up_seconds']:.1f} s", flush=True)
+        atomic_write_json(out, record)
     print(f"record: {out}")
     return 0
 

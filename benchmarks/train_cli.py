@@ -152,6 +152,8 @@ def parse():
                    "empty compile cache (the decoding and any compiling are in the timed process)")
     p.add_argument("--busy", type=int, default=0,
                    help="time each run alone and again beside this many processes that keep a core busy")
+    p.add_argument("--busy-systems", metavar="NAME,...", help="with --busy: only these systems' runs are timed "
+                   "again beside the busy processes (default: every system's)")
     p.add_argument("--system", action="append", default=[],
                    help="plain, or NAME=SRC: speedrun from the checkout SRC (repeatable; default: this checkout)")
     p.add_argument("--plain-images", type=int,
@@ -159,16 +161,23 @@ def parse():
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
-    args.extra, args.systems, args.loads = argv[cut + 1:], [], [0, args.busy] if args.busy else [0]
+    args.extra, args.systems = argv[cut + 1:], []
     for text in args.system or ["speedrun"]:             # plain, NAME=SRC or NAME (this checkout)
         name, _, src = text.partition("=")
         args.systems.append((name, Path(src).resolve() if src else None))
         if src and not (Path(src) / "src" / "speedrun").is_dir():
             p.error(f"--system {name}: {src} has no src/speedrun; give a speedrun checkout")
+    names = [name for name, _ in args.systems]
+    chosen = names if args.busy_systems is None else [n for n in args.busy_systems.split(",") if n]
+    if args.busy_systems is not None and not args.busy:
+        p.error("--busy-systems goes with --busy K")
+    if unknown := [n for n in chosen if n not in names]:
+        p.error(f"--busy-systems: {unknown[0]!r} is not a --system of this call ({', '.join(names)})")
+    args.loads = {name: [0, args.busy] if args.busy and name in chosen else [0] for name in names}
     if any(name == "plain" for name, _ in args.systems) and not args.data_dir:
         p.error("--system plain reads Fashion-MNIST from --data-dir")
     kept = [args.keep_runs / kept_name(args, name, i, n) for i in range(args.runs) for name, _ in args.systems
-            for n in args.loads if name != "plain"] if args.keep_runs else []
+            for n in args.loads[name] if name != "plain"] if args.keep_runs else []
     if any(k.exists() for k in kept):
         p.error(f"--keep-runs: {next(k for k in kept if k.exists())} exists; give an empty or new folder")
     try:
@@ -187,7 +196,7 @@ def main() -> int:
     commits = {name: (checkout_commit(src) if src else environ["commit"]) for name, src in args.systems}
     with tempfile.TemporaryDirectory() as tmp:
         runs = [run_one(args, name, src, i, n, Path(tmp))
-                for i in range(args.runs) for name, src in args.systems for n in args.loads]
+                for i in range(args.runs) for name, src in args.systems for n in args.loads[name]]
     walls, accs = [r["process_wall_seconds"] for r in runs], [r["summary"]["test_acc"] for r in runs]
     summary = {"test_acc_min": min(accs), "test_acc_mean": sum(accs) / len(accs),
                "process_wall_seconds_max": max(walls), "process_wall_seconds_mean": sum(walls) / len(walls)}
@@ -195,10 +204,10 @@ def main() -> int:
         summary["systems"] = {}
         for name, _ in args.systems:
             row = summary["systems"][name] = {"commit": commits[name]}
-            for n in args.loads:
+            for n in args.loads[name]:
                 mine = [r["process_wall_seconds"] for r in runs if r["system"] == name and r["busy_processes"] == n]
                 row["busy" if n else "alone"] = {"median_s": statistics.median(mine), "runs_s": mine}
-            if args.busy:
+            if "busy" in row:
                 row["slowdown_busy_over_alone"] = row["busy"]["median_s"] / row["alone"]["median_s"]
     record = {
         "benchmark": "speedrun train, whole process" + (", alone and beside busy processes" if args.busy else ""),
@@ -207,6 +216,7 @@ def main() -> int:
                  "speed-run region" + ("; each run alone, then beside --busy processes running `yes > /dev/null`"
                                        if args.busy else ""),
         "recipe": args.recipe, "cold_cache": args.cold_cache, "busy_processes": args.busy,
+        **({"busy_systems": [name for name, _ in args.systems if args.busy in args.loads[name]]} if args.busy else {}),
         "systems": {name: {"source": str(src) if src else "this checkout", "commit": commits[name]}
                     for name, src in args.systems},
         "command": " ".join(["speedrun", "train", args.recipe,

@@ -34,47 +34,43 @@ def check_environment(record: dict) -> None:
 def test_train_cli_times_whole_processes_alone_and_beside_a_busy_one_and_keeps_each_runs_folder(
         tmp_path, fashion_small, data_dir):
     """speedrun from a checkout named by --system (seed 3) beside the plain loop (on the first 2,048
-    Fashion-MNIST images), each alone; then speedrun alone and beside one `yes` process: every
-    process timed from outside, every speedrun run's folder kept (the plain loop has none). The
-    busy case is timed for one system: the plain loop beside a busy core cost about half of this
-    test's CPU and checked nothing that its run alone does not."""
+    Fashion-MNIST images), each alone, and speedrun again beside one `yes` process (--busy-systems:
+    the plain loop beside a busy core cost about half of this test's CPU and checked nothing that its
+    run alone does not), in one call: every process timed from outside, every speedrun run's folder
+    kept (the plain loop has none)."""
     out, keep = tmp_path / "train.json", tmp_path / "kept"
     train = ["--", "--data-dir", fashion_small, "--set", "data.dataset=npz", "--set", "train.epochs=3",
              "--set", "data.batch_size=128", "--set", "eval.tta=none", "--device", "cpu"]
     script("train_cli.py", "fashion-mnist", "--runs", "1", "--first-seed", "3", "--data-dir", data_dir,
-           "--out", tmp_path / "two.json", "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048",
-           "--keep-runs", tmp_path / "kept-two", *train, timeout=600)
-    two = json.loads((tmp_path / "two.json").read_text())
-    check_environment(two)
-    assert [(r["system"], r["busy_processes"]) for r in two["runs"]] == [("plain", 0), ("here", 0)]
-    assert two["runs"][0]["summary"]["test_acc"] > 0.13                # chance + 3 SE of 2,048
-    systems = two["summary"]["systems"]
-    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == two["environment"]["commit"]
-    assert all(len(row["alone"]["runs_s"]) == 1 and "busy" not in row for row in systems.values())
-    assert [p.name for p in (tmp_path / "kept-two").iterdir()] == ["here-run0"]
-    script("train_cli.py", "fashion-mnist", "--runs", "1", "--first-seed", "3", "--busy", "1", "--out", out,
-           "--system", f"here={ROOT}", "--keep-runs", keep, *train, timeout=600)
+           "--out", out, "--system", "plain", "--system", f"here={ROOT}", "--plain-images", "2048",
+           "--busy", "1", "--busy-systems", "here", "--keep-runs", keep, *train, timeout=600)
     record = json.loads(out.read_text())
     check_environment(record)
     runs = record["runs"]
-    assert [(r["system"], r["busy_processes"]) for r in runs] == [("here", 0), ("here", 1)]
-    for r in runs + two["runs"]:
+    assert [(r["system"], r["busy_processes"]) for r in runs] == [("plain", 0), ("here", 0), ("here", 1)]
+    assert record["busy_systems"] == ["here"]
+    assert runs[0]["summary"]["test_acc"] > 0.13                       # chance + 3 SE of 2,048
+    systems = record["summary"]["systems"]
+    assert systems["here"]["commit"] == head_commit() and systems["plain"]["commit"] == record["environment"]["commit"]
+    assert len(systems["plain"]["alone"]["runs_s"]) == 1 and "busy" not in systems["plain"]
+    assert "slowdown_busy_over_alone" not in systems["plain"]
+    for r in runs:
         assert r["process_wall_seconds"] > r["summary"]["train_seconds"] > 0
-    here = runs + two["runs"][1:]
-    assert [r["summary"]["seed"] for r in here] == [3, 3, 3]
+    here = runs[1:]
+    assert [r["summary"]["seed"] for r in here] == [3, 3]
     assert all(r["summary"]["test_acc"] > 0.5 for r in here)                        # learned (chance: 0.1)
     # speedrun's start line says how many threads it chose (one per core left idle by other work)
     assert all(any(line.startswith("speedrun: threads ") for line in r["stdout_head"]) for r in here), here
-    row = record["summary"]["systems"]["here"]
-    assert row["commit"] == head_commit()
+    row = systems["here"]
     assert len(row["alone"]["runs_s"]) == len(row["busy"]["runs_s"]) == 1
     assert row["slowdown_busy_over_alone"] == row["busy"]["median_s"] / row["alone"]["median_s"] > 0
     assert sorted(p.name for p in keep.iterdir()) == ["here-run0", "here-run0-busy1"]
     assert (keep / "here-run0-busy1" / "model.pt").is_file()
-    # a kept folder or a record that exists, or a --system that is no checkout, is refused before any run,
-    # writing nothing
+    # a kept folder or a record that exists, a --system that is no checkout, or --busy-systems naming no
+    # --system of the call, is refused before any run, writing nothing
     for bad, says in ((["--keep-runs", keep, "--system", f"here={ROOT}", "--busy", "1"], "--keep-runs"),
-                      (["--system", f"old={tmp_path}"], "no src/speedrun"), (["--out", out], "already exists")):
+                      (["--system", f"old={tmp_path}"], "no src/speedrun"), (["--out", out], "already exists"),
+                      (["--busy", "1", "--busy-systems", "plain"], "'plain' is not a --system")):
         again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_cli.py"), "fashion-mnist",
                                 "--out", tmp_path / "again.json", *map(str, bad)], capture_output=True, text=True)
         assert again.returncode == 2 and says in again.stderr and "Traceback" not in again.stderr
@@ -178,7 +174,8 @@ NARROW_STEP = ["--set", "model.widths=[16,32,32]", "--set", "data.batch_size=64"
 @pytest.mark.slow
 def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(tmp_path):
     """In fp32 only (the accumulated row follows --precisions): eager, compiled and accumulated
-    rows, the timing; the stop check."""
+    rows, the timing (narrowed by --set to the eager and compiled rows' recipe, so timed in their
+    sessions); the stop check."""
     out = tmp_path / "structure.json"
     script("step_structure.py", "--only", "cifar10-94", "--precisions", "fp32", "--timing-precisions", "fp32",
            "--backend", "aot_eager", "--timed-steps", 2, *NARROW_STEP, "--out", out, timeout=900)
@@ -194,6 +191,9 @@ def test_step_structure_counts_and_times_a_narrow_step_and_times_the_stop_check(
     assert micro["compiled_regions_per_step"] > compiled["compiled_regions_per_step"]   # a forward, a backward each
     assert [(t["precision"], t["compiled"]) for t in record["timing"]] == [("fp32", False), ("fp32", True)]
     assert all(len(t["ms_per_step"]) == 2 and min(t["ms_per_step"]) > 0 for t in record["timing"])
+    # (--set narrows the timing rows to the structure rows' recipe: timed in those rows' sessions, not built again)
+    assert all("structure row" in t["timed_in"] for t in record["timing"])
+    assert eager["ms_per_step"] == record["timing"][0]["ms_per_step"] and micro["ms_per_step"] == []
     # the stop check the loop makes after every step: a flag read alone, an all-reduce of one integer with 2 ranks
     stop = tmp_path / "stop-check.json"
     script("step_structure.py", "--stop-check", "--calls", 50, "--out", stop)
@@ -371,7 +371,7 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
     out, data = tmp_path / "peers.json", tmp_path / "cifar10-slice.npz"
     subset_npz(cifar10, data, 2048, 1000)
     proc = script("peers.py", "--epochs", 2, "--rounds", 1, "--data-dir", data, "--set", "model.widths=[16,32,32]",
-                  "--set", "data.batch_size=256", "--set", "runtime.compile=off", "--out", out, timeout=900)
+                  "--set", "data.batch_size=256", "--set", "runtime.compile=off", "--peak-sizes", "256,512", "--out", out, timeout=900)
     record = json.loads(out.read_text())
     check_environment(record)
     assert record["data"] == str(data) and record["order"] == ["plain", "lightning", "speedrun"]
@@ -391,7 +391,8 @@ def test_peers_trains_each_peer_in_its_own_process_and_records_each(tmp_path, ci
     flops, rechecked = record["flops"], record["precision"] == "fp32" or record["bf16_units"]
     assert set(flops["achieved_flops_per_s_by_peer"]) == {"plain", "lightning", "speedrun"}
     assert flops["speedrun_training_utilisation"] > 0
-    assert len(flops["peak_recheck_flops_per_s_by_size"]) == (2 if rechecked else 0)    # (emulated bf16: none)
+    assert set(flops["peak_recheck_flops_per_s_by_size"]) == ({"256", "512"} if rechecked else set())  # (emulated bf16: none)
+    assert all(v > 0 for v in flops["peak_recheck_flops_per_s_by_size"].values())
     assert "peers: speedrun: test_acc" in proc.stdout
     page = results_page_of(out, tmp_path)                   # (docs/results.md reads it into its table)
     assert "## Other records" not in page and "`peers.json`" in page.split("## speedrun beside the plain loop", 1)[1]
@@ -411,20 +412,31 @@ def test_same_weights_finds_two_trees_equal_and_names_what_differs(tmp_path, fas
     tiny = ["--", "--set", "data.dataset=npz", "--set", "train.epochs=3", "--set", "data.batch_size=128",
             "--set", "runtime.compile=off",
             "--set", "eval.tta=none"]
-    out = tmp_path / "same.json"
+    out, kept = tmp_path / "same.json", tmp_path / "kept"
     script("same_weights.py", same, "abc1234", "fashion-mnist", "--data-dir", fashion_small,
-           "--setting", "eager:runtime.compile=off", "--out", out, *tiny)
+           "--setting", "eager:runtime.compile=off", "--out", out, "--keep", kept, *tiny)
     record = json.loads(out.read_text())
     s = record["settings"][0]
     assert s["identical"] and s["same_test_acc"] and not s["differing_tensors"]
     assert s["runs"]["base"]["test_acc"] > 0.3 and record["base_commit"] == "abc1234"
+    # the changed tree against this checkout's run of the call above (kept: the same training, not made again)
+    changed_call = [sys.executable, str(ROOT / "benchmarks" / "same_weights.py"), str(changed), "def5678",
+                    "fashion-mnist", "--data-dir", str(fashion_small), "--setting", "eager:runtime.compile=off",
+                    "--this-from", str(kept)]
     out2 = tmp_path / "changed.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "same_weights.py"), str(changed), "def5678",
-                           "fashion-mnist", "--data-dir", str(fashion_small), "--out", str(out2), *tiny],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([*changed_call, "--out", str(out2), *tiny], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-2000:]
     s2 = json.loads(out2.read_text())["settings"][0]
     assert not s2["identical"] and s2["differing_tensors"]
+    assert s2["runs"]["this"]["reused_from"] == str(kept / "eager-this")
+    assert s2["runs"]["this"]["test_acc"] == s["runs"]["this"]["test_acc"]
+    # a kept run made with other arguments is refused before anything trains
+    out3 = tmp_path / "other.json"
+    proc = subprocess.run([*changed_call, "--out", str(out3), *tiny[:-2]], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "was made otherwise" in proc.stderr and "== eager: base" not in proc.stdout
+    assert not out3.exists()
 
 
 @pytest.mark.slow

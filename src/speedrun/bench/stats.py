@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
 
 from ..report.bench_record import CI_METHOD
 
@@ -30,6 +29,7 @@ def describe(values: Sequence[float], confidence: float = 0.95, floor: float | N
     if std == 0:
         lo = hi = mean
     else:
+        from scipy import stats          # (imported where needed: a process summarising one run never does)
         lo, hi = stats.t.interval(confidence, n - 1, loc=mean, scale=std / math.sqrt(n))
     if floor is not None:
         lo = max(float(lo), floor)
@@ -59,6 +59,7 @@ def p_mean_at_least(values: Sequence[float], target: float) -> float:
         return math.nan
     if x.std(ddof=1) == 0:
         return 0.0 if x.mean() > target else 1.0
+    from scipy import stats
     return float(stats.ttest_1samp(x, target, alternative="greater").pvalue)
 
 
@@ -70,5 +71,6 @@ def welch(a: Sequence[float], b: Sequence[float]) -> dict:
         return {"diff": diff, "t": math.nan, "p": math.nan}
     if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:
         return {"diff": diff, "t": math.inf if diff else 0.0, "p": 0.0 if diff else 1.0}
+    from scipy import stats
     res = stats.ttest_ind(b, a, equal_var=False)
     return {"diff": diff, "t": float(res.statistic), "p": float(res.pvalue)}
