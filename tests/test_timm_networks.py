@@ -110,6 +110,31 @@ def exports_compute_the_runs_outputs(cli, run, npz32, folder):
 # Blocks and the classifier, as timm groups them
 # ------------------------------------------------------------------------------------------
 
+def test_a_timm_network_with_stochastic_depth_mixup_averaging_and_micro_batches_resumes_bit_for_bit(
+        npz32, tmp_path):
+    """convnext_atto (narrow) with drop_path_rate 0.2 (timm's stochastic depth draws from torch's
+    generator in every block), mixup, an EMA of the weights and two micro-batches a step, killed at
+    its first checkpoint and resumed: the same weights as the uninterrupted run, bit for bit, and it
+    learned. Test accuracy under seeds 0, 1, 2 on a 2-core Intel Xeon (family 6, model 167), torch
+    2.14.1: 30.1%, 27.0%, 28.7% against a bar of 14.0% (chance + 3 standard errors on 512 test images)."""
+    from small_data import speedrun
+    from test_training_features import killed_at_first_checkpoint
+    model = {"name": "timm", **FAMILIES["convnext_atto"][0], "drop_path_rate": 0.2}
+    recipe = recipe_file(tmp_path, model, train={"epochs": 3, "label_smoothing": 0.1, "accumulate": 2},
+                         augment={**RECIPE["augment"], "mixup": 0.2}, averaging={"kind": "ema", "every": 2})
+    args = ["train", recipe, "--data-dir", npz32, "--device", "cpu", "--seed", learning_seed(),
+            "--set", "checkpoint.every_steps=20"]
+    speedrun(*args, "--out", tmp_path / "whole")
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["test_acc"] > bar(10, 512), summary["test_acc"]
+    cut = tmp_path / "cut"
+    assert killed_at_first_checkpoint([str(a) for a in args], cut)["step"] == 20
+    speedrun("train", "--resume", cut, "--data-dir", npz32, "--device", "cpu")
+    a, b = (torch.load(run / "model.pt", weights_only=True) for run in (tmp_path / "whole", cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((cut / "summary.json").read_text())["test_acc"] == summary["test_acc"]
+
+
 def test_the_regularisation_fields_reach_timms_network():
     """model.drop_rate and model.drop_path_rate are timm's own arguments: the dropout before the
     classifier and stochastic depth rising to drop_path_rate at the last block."""
