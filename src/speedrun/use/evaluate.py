@@ -217,9 +217,11 @@ def _evaluate_run(args, stop: StopSignals) -> int:
     check_output_folder(folder, "RUN_DIR")              # evaluate writes its files there: checked first
     test = open_test_set(loaded, args.data_dir)
     tta = loaded.recipe.eval.tta
+    # from here a stop is read between batches: set before the line that says the evaluation started,
+    # so that a Ctrl-C as that line appears stops it as any other, with its message
+    stop.listening = True
     print(f"speedrun: evaluating {folder} on {test.describe}" + (f", {tta} TTA" if tta != "none" else ""),
           flush=True)
-    stop.listening = True                               # from here a stop is read between batches
     out = run_evaluation(loaded, test, stop)            # complete: a signal from here on is only recorded
     record, confusion = evaluation_record(loaded, test, out, time.perf_counter() - started)
     mistakes = record["mistakes"]
