@@ -104,6 +104,43 @@ def test_flop_count_of_cifar10_94_matches_a_hand_count():
     assert 700e6 < counted["train"] < 715e6
 
 
+@pytest.mark.parametrize("recipe, side", [("cifar10-94", 32), ("cifar10-94-gpu", 24), ("dawnbench-resnet18", 32),
+                                           ("imagenet-resnet50", 64)])
+def test_flop_counts_are_torchs_flop_counter_totals_and_need_not_import_its_compiler(recipe, side):
+    """speedrun's count (a CPU copy of the model, torch's formulas) gives the totals of torch's own
+    FlopCounterMode on the meta device, forward and training step, the whitening bias frozen or
+    not; and a fresh process counts without importing torch's compiler or sympy (the meta device
+    and torch's own mode import both: 1.5-2.5 s of every run's start), its random numbers untouched."""
+    import subprocess
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from speedrun.models import build_model
+    r = load_recipe(recipe)
+    for frozen in (False, True):
+        with torch.device("meta"):
+            model = build_model(r.model, 3, 10)
+        if frozen and getattr(model, "whiten", None) is not None:
+            model.whiten.requires_grad_(False)
+        x, y = torch.empty(2, 3, side, side, device="meta"), torch.zeros(2, dtype=torch.long, device="meta")
+        with FlopCounterMode(display=False) as fwd:
+            model(x)
+        with FlopCounterMode(display=False) as train:
+            F.cross_entropy(model(x), y).backward()
+        assert flops.count_per_image_flops(r, 3, 10, (side, side), frozen) == {
+            "forward": fwd.get_total_flops() / 2, "train": train.get_total_flops() / 2}
+    code = ("import sys, torch; from speedrun.recipe import load_recipe; from speedrun.engine import flops\n"
+            f"torch.manual_seed(0); a = torch.rand(1); torch.manual_seed(0)\n"
+            f"flops.count_per_image_flops(load_recipe({recipe!r}), 3, 10, ({side}, {side}))\n"
+            "assert torch.equal(torch.rand(1), a), 'the count drew random numbers'\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_run_flops_and_efficiency():
     r = load_recipe("cifar10-94")
     per = flops.per_image_flops(r, 3, 10, (32, 32))

@@ -1,15 +1,19 @@
 """FLOP accounting: how much arithmetic a run needs and how close to the hardware it ran.
 
-FLOPs are counted by torch's own ``FlopCounterMode`` on a model built on the meta device
-(no memory, no compute), for one forward and one forward+backward pass. Page's series used
-the same yardstick: the time the run would take at 100% of the device's peak rate.
+FLOPs are counted with the formulas of torch's FLOP counter (``torch.utils.flop_counter``'s
+registry: matrix products and convolutions, forward and backward) for one forward and one
+forward+backward pass of two images. Page's series used the same yardstick: the time the run
+would take at 100% of the device's peak rate. The passes run on a CPU copy of the model (a few
+hundred MFLOP for the CIFAR-10 nets, about 70 GFLOP for a ResNet-50 at 224 px), or on the meta
+device (no memory, no compute) for a timm or user network of over :data:`REAL_COUNT_PARAMS`
+parameters. On the meta device, torch's shape functions import its compiler and sympy first:
+1.5-2.5 s of a process's start on a 2-core Intel Xeon 6/207 (torch 2.13.0+cpu), against 0.1 s
+for the CPU passes of a CIFAR-10 speed net, compiler not imported.
 
-Both figures a run's summary needs cost time at its end that has nothing to do with its
-training (timed once on a 2-core AMD EPYC Zen 3, torch 2.13.0+cpu, one thread: about 1.5 s of
-CPU for the counter's first use, which imports torch's compiler, and 0.4 s for an fp32 peak,
-2.5 s for an emulated bf16 one), so each is kept in
-``counts.json`` in speedrun's cache folder (``$SPEEDRUN_CACHE``, else ``~/.cache/speedrun``)
-and the next process with the same model code, sizes, torch and machine reads it there.
+The figures a run's summary needs are kept in ``counts.json`` in speedrun's cache folder
+(``$SPEEDRUN_CACHE``, else ``~/.cache/speedrun``), and the next process with the same model
+code, sizes, torch and machine reads them there: a measured peak costs 0.4 s in fp32 and 2.5 s
+in emulated bf16 (2-core AMD EPYC Zen 3, one thread).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from .evaluate import TTA_VIEWS
 from .sizes import step_image_shapes
@@ -180,22 +185,75 @@ def per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
                 lambda: count_per_image_flops(recipe, in_channels, num_classes, image_size, whiten_frozen))
 
 
+REAL_COUNT_PARAMS = 50_000_000
+"""timm's and users' networks with more parameters than this are counted on the meta device,
+not on a CPU copy (speedrun's own families are always counted on the CPU: building one on the
+meta device draws its initial weights through torch's compiler too)."""
+OWN_FAMILIES = ("speednet", "resnet")
+
+
+class FlopCount(TorchDispatchMode):
+    """The FLOPs of the operators run under it, by the formulas of torch's FLOP counter
+    (``flop_registry``); an operator without one is first decomposed into those it is made of,
+    as ``torch.utils.flop_counter.FlopCounterMode`` does, so the two totals are the same. Not
+    wrapped in dynamo's ``disable``, as torch wraps its own modes: nothing here is compiled,
+    and that wrapper imports torch's compiler on first use."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func._overloadpacket
+        if packet not in flop_registry and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if packet in flop_registry:
+            self.total += flop_registry[packet](*args, **kwargs, out_val=out)
+        return out
+
+
+def count_flops(model, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """FLOPs per image of ``model``'s forward pass and of a training step (forward, cross
+    entropy, backward) on the batch ``x``, ``y`` (on any device, the meta device included)."""
+    n = x.shape[0]
+    with FlopCount() as fwd:
+        model(x)
+    with FlopCount() as train:
+        F.cross_entropy(model(x), y).backward()
+    return {"forward": fwd.total / n, "train": train.total / n}
+
+
 def count_per_image_flops(recipe: Recipe, in_channels: int, num_classes: int,
                           image_size: tuple[int, int], whiten_frozen: bool = False) -> dict[str, float]:
-    """:func:`per_image_flops`, counted here."""
+    """:func:`per_image_flops`, counted here: on a CPU copy of the model (its weights drawn
+    without touching the run's random numbers), or on the meta device for a large one."""
     n = 2
-    with torch.device("meta"):
-        model = build_model(recipe.model, in_channels, num_classes)
-    whiten = getattr(model, "whiten", None)
-    if whiten_frozen and whiten is not None:
-        whiten.requires_grad_(False)
-    x = torch.randn(n, in_channels, *image_size, device="meta")
-    y = torch.randint(0, num_classes, (n,), device="meta")
-    with FlopCounterMode(display=False) as fwd:
-        model(x)
-    with FlopCounterMode(display=False) as train:
-        F.cross_entropy(model(x), y).backward()
-    return {"forward": fwd.get_total_flops() / n, "train": train.get_total_flops() / n}
+    device = "cpu"
+    if recipe.model.name not in OWN_FAMILIES:        # (speedrun's own: at most a ResNet-152's 60M)
+        with torch.device("meta"):
+            model = build_model(recipe.model, in_channels, num_classes)
+        if sum(p.numel() for p in model.parameters()) > REAL_COUNT_PARAMS:
+            device = "meta"
+    with torch.random.fork_rng(devices=[]):
+        if device == "cpu":
+            with torch.device("cpu"):
+                model = build_model(recipe.model, in_channels, num_classes)
+        model.train()
+        whiten = getattr(model, "whiten", None)
+        if whiten_frozen and whiten is not None:
+            whiten.requires_grad_(False)
+        x = torch.zeros(n, in_channels, *image_size, device=device)
+        y = torch.zeros(n, dtype=torch.long, device=device)
+        return count_flops(model, x, y)
 
 
 def run_flops(recipe: Recipe, in_channels: int, num_classes: int, image_size: tuple[int, int],
