@@ -22,21 +22,30 @@ def example() -> str:
 
 
 def test_the_documented_example_runs_learns_and_is_the_command_lines_run_bit_for_bit(tmp_path, data_dir):
+    """The example as benchmarks/python_example.py runs it (its code block in a fresh process, in a
+    folder of its own), its round kept; then the same run from the command line."""
     env = {**os.environ, "SPEEDRUN_DATA": str(data_dir), "SPEEDRUN_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": str(ROOT / "src")}
-    (tmp_path / "example.py").write_text(example())
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "python_example.py"), "--rounds", "1",
+                           "--keep", str(tmp_path / "kept"), "--out", str(tmp_path / "record.json"),
+                           "--data-dir", str(data_dir)], env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    folder = tmp_path / "runs" / "python-demo"
+    record = json.loads((tmp_path / "record.json").read_text())
+    (done,) = record["rounds"]
+    assert record["code"] == example() and record["environment"]["cpu_model"] and record["torch"] == torch.__version__
+    round_dir = tmp_path / "kept" / "round-0"
+    folder = round_dir / "runs" / "python-demo"
     summary = json.loads((folder / "summary.json").read_text())
+    assert done["test_acc"] == summary["test_acc"] and done["train_seconds"] == summary["train_seconds"]
+    assert done["process_seconds"] > summary["wall_seconds"] > 0 and done["process_cpu_seconds"] > 0
+    assert record["summary"]["process_seconds_median"] == done["process_seconds"]
     chance = 0.1 + 3 * math.sqrt(0.1 * 0.9 / 1000)
     assert summary["test_images"] == 1000 and summary["test_acc"] > chance        # learned (chance: 10%)
-    first, second = proc.stdout.splitlines()
+    first, second = done["stdout"]
     assert first.startswith(f"{summary['test_acc']:.2%} test accuracy") and "runs/python-demo" in first
     assert second.startswith("first-test-image.png [(") and second.count(", 0.") == 3      # three classes ranked
     arrays = [line for line in (folder / "config.toml").read_text().splitlines() if line.startswith("path = ")]
-    assert arrays and str(tmp_path / "cache" / "arrays") in arrays[0]
+    assert arrays and str(round_dir / "cache" / "arrays") in arrays[0]
     path = json.loads(arrays[0].split("=", 1)[1])
     cli = subprocess.run([sys.executable, "-m", "speedrun", "train", "fashion-mnist", "--set", "data.dataset=npz",
                           "--set", f"data.path={json.dumps(path)}", "--set", "train.epochs=2", "--set",

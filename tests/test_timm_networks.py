@@ -286,3 +286,55 @@ def test_weights_of_another_architecture_are_refused_in_one_line(timm_weights):
     assert "not the weights of timm's convnext_femto (" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(RecipeError, match="model.args.in_chans is set by the data"):
         load_recipe("fashion-mnist", ["model.name=timm", "model.arch=resnet10t", "model.args={in_chans=1}"])
+
+
+# ------------------------------------------------------------------------------------------
+# The engine's features with a timm network
+# ------------------------------------------------------------------------------------------
+
+def test_a_timm_network_compiles_resizes_streams_from_the_decoded_cache_and_checks_a_target(
+        jpeg32, tmp_path, cli, capsys, monkeypatch):
+    """convnext_atto (narrow) on the CIFAR-10 JPEG folder, streamed: compiled (aot_eager: dynamo's
+    capture and AOTAutograd as inductor gets them) with no recompile after the warm-up, progressive
+    sizes (16 px, then 32 px crops), the images decoded once into the cache, and a target it cannot
+    reach checked on a held-out fifth of the training images every epoch; then ``speedrun flops``
+    of the same recipe gives torch's FlopCounterMode count of timm's network, and ``speedrun bench``
+    runs it twice with its statistics. Seed 0, 2-core Intel Xeon 6/207, torch 2.14.1: {acc} (bar 14.0%)."""
+    monkeypatch.setenv("SPEEDRUN_COMPILE_BACKEND", "aot_eager")
+    model = {"name": "timm", **FAMILIES["convnext_atto"][0]}
+    recipe = recipe_file(tmp_path, model, data={"dataset": "folder", "batch_size": 32, "workers": 1,
+                                                "progressive": [[0.0, 0.5], [0.5, 1.0]], "cache": "on",
+                                                "cache_dir": str(tmp_path / "cache"), "holdout": 0.2},
+                         train={"epochs": 4, "label_smoothing": 0.1, "stop_at_target": True, "stop_check_every": 1},
+                         runtime={**RECIPE["runtime"], "compile": "on"}, target=0.99)
+    args = ["train", recipe, "--data-dir", jpeg32, "--device", "cpu", "--out", tmp_path / "run", "--seed", 0]
+    capsys.readouterr()
+    from speedrun import cli as speedrun_cli
+    rc = speedrun_cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_acc"] > bar(10, 512), summary["test_acc"]
+    runtime = summary["runtime"]
+    assert runtime["compile"] and runtime["compile_backend"] == "aot_eager" and summary["recompiles"] == 0, runtime
+    assert summary["compile_seconds"] > 0
+    assert set(summary["train_steps_by_size"]) == {"16x16", "32x32"}, summary["train_steps_by_size"]
+    assert any((tmp_path / "cache").rglob("*")), "nothing decoded into the cache"
+    target = summary["stop_at_target"]
+    assert target["reached"] is None and target["checks"] == 4 and target["holdout_images"] == 102, target
+    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= e["holdout_acc"] <= 1 for e in epochs if "holdout_acc" in e)
+
+    rc, err = cli("flops", recipe, "--data-dir", jpeg32, "--steps", 2, "--json", tmp_path / "f.json")
+    assert rc == 0, err
+    from torch.utils.flop_counter import FlopCounterMode
+    net = build_model(load_recipe(str(recipe)).model, 3, 10)
+    with FlopCounterMode(display=False) as counted:
+        net(torch.zeros(2, 3, 32, 32))
+    assert json.loads((tmp_path / "f.json").read_text())["flops_per_forward_image"] == counted.get_total_flops() / 2
+
+    rc, err = cli("bench", recipe, "--runs", 2, "--data-dir", jpeg32, "--device", "cpu", "--out", tmp_path / "bench",
+                  "--set", "train.epochs=1", "--set", "train.stop_at_target=false", "--set", "data.holdout=0")
+    assert rc == 0, err
+    bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert [r["seed"] for r in bench["runs"]] == [0, 1] and bench["summary"]["test_acc"]["n"] == 2, bench["summary"]
