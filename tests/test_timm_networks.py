@@ -7,6 +7,7 @@ The accuracy margins were measured on a 2-core AMD EPYC under torch 2.14.1 and t
 accuracy on 512 test images against a bar of 14.0% (chance + 3 standard errors), seeds 0, 1, 2
 (``SPEEDRUN_TEST_SEED``); each test names its own."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,10 @@ def test_an_unknown_architecture_names_the_field_and_the_close_names(npz32, tmp_
     (["model.arch=convnext_atto", "model.img_size=32"], "model.img_size", "timm's convnext_atto takes no img_size"),
     (["model.arch=vit_tiny_patch16_224"], "model.arch=vit_tiny_patch16_224",
      "the network fails on 32 px images"),                       # (built for 224 px: its position embedding)
+    # (16 px crops: the stem and three halvings leave less than its 2x2 downsampling kernel; before, the check's
+    # retry on the CPU copied its meta input and named that instead)
+    (["model.arch=convnext_atto", "data.progressive=[[0.0, 0.5], [0.5, 1.0]]"], "model.arch=convnext_atto",
+     "the network fails on 16 px images of 3 channels (RuntimeError: Calculated padded input size"),
     (["model.arch=resnet10t", "model.args={num_classes=3}"], "model.args.num_classes", "leave it out"),
     (["model.arch=resnet10t", "model.whiten.kernel=2"], "model.whiten", "remove model.whiten"),
     (["model.arch=resnet10t", "model.norm.scale=frozen"], "model.norm", "remove model.norm"),
@@ -294,14 +299,14 @@ def test_weights_of_another_architecture_are_refused_in_one_line(timm_weights):
 
 def test_a_timm_network_compiles_resizes_streams_from_the_decoded_cache_and_checks_a_target(
         jpeg32, tmp_path, cli, capsys, monkeypatch):
-    """convnext_atto (narrow) on the CIFAR-10 JPEG folder, streamed: compiled (aot_eager: dynamo's
+    """resnet10t (narrow) on the CIFAR-10 JPEG folder, streamed: compiled (aot_eager: dynamo's
     capture and AOTAutograd as inductor gets them) with no recompile after the warm-up, progressive
     sizes (16 px, then 32 px crops), the images decoded once into the cache, and a target it cannot
     reach checked on a held-out fifth of the training images every epoch; then ``speedrun flops``
     of the same recipe gives torch's FlopCounterMode count of timm's network, and ``speedrun bench``
-    runs it twice with its statistics. Seed 0, 2-core Intel Xeon 6/207, torch 2.14.1: {acc} (bar 14.0%)."""
+    runs it twice with its statistics. Seed 0, 2-core Intel Xeon 6/207, torch 2.14.1: 26.2% (bar 14.0%)."""
     monkeypatch.setenv("SPEEDRUN_COMPILE_BACKEND", "aot_eager")
-    model = {"name": "timm", **FAMILIES["convnext_atto"][0]}
+    model = {"name": "timm", **FAMILIES["resnet10t"][0]}
     recipe = recipe_file(tmp_path, model, data={"dataset": "folder", "batch_size": 32, "workers": 1,
                                                 "progressive": [[0.0, 0.5], [0.5, 1.0]], "cache": "on",
                                                 "cache_dir": str(tmp_path / "cache"), "holdout": 0.2},
@@ -315,15 +320,16 @@ def test_a_timm_network_compiles_resizes_streams_from_the_decoded_cache_and_chec
     assert rc == 0, out.err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["test_acc"] > bar(10, 512), summary["test_acc"]
-    runtime = summary["runtime"]
-    assert runtime["compile"] and runtime["compile_backend"] == "aot_eager" and summary["recompiles"] == 0, runtime
+    assert summary["compile"] and summary["compile_backend"] == "aot_eager" and summary["recompiles"] == 0
     assert summary["compile_seconds"] > 0
-    assert set(summary["train_steps_by_size"]) == {"16x16", "32x32"}, summary["train_steps_by_size"]
-    assert any((tmp_path / "cache").rglob("*")), "nothing decoded into the cache"
-    target = summary["stop_at_target"]
-    assert target["reached"] is None and target["checks"] == 4 and target["holdout_images"] == 102, target
+    assert summary["train_steps_by_size"] == {"16x16": 24, "32x32": 24}, summary["train_steps_by_size"]
+    cache = summary["data_cache"]
+    assert cache["cache_made_now"] and Path(cache["cache"]).parent == tmp_path / "cache" and cache["cache_size"] == 32
+    target = summary["stop_at_target"]                 # (checked after epochs 1-3; the 4th ends the run)
+    assert target["reached"] is None and target["checks"] == 3 and target["holdout_images"] == 102, target
     epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 <= e["holdout_acc"] <= 1 for e in epochs if "holdout_acc" in e)
+    assert [e["holdout_acc"] is not None for e in epochs] == [True, True, True, False]
+    assert all(0 <= e["holdout_acc"] <= 1 for e in epochs[:3])
 
     rc, err = cli("flops", recipe, "--data-dir", jpeg32, "--steps", 2, "--json", tmp_path / "f.json")
     assert rc == 0, err
@@ -334,7 +340,7 @@ def test_a_timm_network_compiles_resizes_streams_from_the_decoded_cache_and_chec
     assert json.loads((tmp_path / "f.json").read_text())["flops_per_forward_image"] == counted.get_total_flops() / 2
 
     rc, err = cli("bench", recipe, "--runs", 2, "--data-dir", jpeg32, "--device", "cpu", "--out", tmp_path / "bench",
-                  "--set", "train.epochs=1", "--set", "train.stop_at_target=false", "--set", "data.holdout=0")
+                  "--set", "train.epochs=1", "--set", "train.stop_at_target=false")
     assert rc == 0, err
     bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert [r["seed"] for r in bench["runs"]] == [0, 1] and bench["summary"]["test_acc"]["n"] == 2, bench["summary"]

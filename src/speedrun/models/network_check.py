@@ -26,8 +26,10 @@ def _text(err: BaseException) -> str:
 
 def _size_hint(cfg) -> str:
     if cfg.name == "timm":
-        return ("; a network built for one input side (a ViT's position embedding) takes model.img_size, or every "
-                "side with model.args = {dynamic_img_size = true}")
+        return ("; a network that halves its images five times (a ResNet, a ConvNeXt) needs sides of 32 px or more: "
+                "raise data.image_size or the first size of data.progressive; a network built for one input side "
+                "(a ViT's position embedding) takes model.img_size, or every side with "
+                "model.args = {dynamic_img_size = true}")
     return "; make the network take these sides (data.image_size, data.eval_size, data.progressive)"
 
 
@@ -60,7 +62,7 @@ def check_network(cfg, in_channels: int, num_classes: int, sides: list[int]) -> 
         if failure is not None and device == "meta":   # an operation without a meta kernel: on the CPU
             model, device, failure = build_model(cfg, in_channels, num_classes), "cpu", None
             try:
-                out = _forward(model, x.to("cpu"))
+                out = _forward(model, torch.zeros(2, in_channels, side, side))
             except Exception as err:
                 failure = err
         if failure is not None:
