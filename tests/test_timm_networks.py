@@ -344,3 +344,23 @@ def test_a_timm_network_compiles_resizes_streams_from_the_decoded_cache_and_chec
     assert rc == 0, err
     bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert [r["seed"] for r in bench["runs"]] == [0, 1] and bench["summary"]["test_acc"]["n"] == 2, bench["summary"]
+
+
+def test_a_timm_network_trains_the_same_weights_on_two_processes_as_on_one(npz32, tmp_path):
+    """convnext_atto (narrow; layer norms, so no batch statistics to share) in fp32 with AdamW and
+    layer decay over timm's blocks: one process, and two started by torchrun (gloo) at the same
+    global batch, each training on its half of every batch, end with the same weights."""
+    from test_distributed import ok, relative_difference, run, single, summary, torchrun_cmd, weights
+    model = {"name": "timm", **FAMILIES["convnext_atto"][0]}
+    recipe = recipe_file(tmp_path, model, optim={"name": "adamw", "lr": 0.002, "ref_batch": 32, "weight_decay": 0.05,
+                                                 "layer_decay": 0.8},
+                         train={"epochs": 1, "label_smoothing": 0.1}, eval={"every": 0, "batch_size": 256, "tta": "none"})
+    common = [recipe, "--data-dir", npz32, "--device", "cpu", "--seed", 0]
+    ok(single(*common, "--out", tmp_path / "one"))
+    ok(run(torchrun_cmd(*common, "--out", tmp_path / "two")))
+    one, two = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert (one["world_size"], two["world_size"], one["steps"], two["steps"]) == (1, 2, 16, 16)
+    assert (one["per_rank_batch"], two["per_rank_batch"]) == (32, 16)
+    diff = relative_difference(weights(tmp_path / "one"), weights(tmp_path / "two"))
+    assert diff < 1e-5, diff
+    assert one["test_acc"] == pytest.approx(two["test_acc"], abs=1 / 512 + 1e-9)
