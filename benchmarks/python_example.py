@@ -15,13 +15,14 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from any_network import child_cpu_seconds   # (benchmarks/, the folder this script runs from)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "python.md"
@@ -42,11 +43,6 @@ def example_code() -> str:
     if len(blocks) != 1:
         raise SystemExit(f"python_example: error: {DOC} has {len(blocks)} python blocks under '## Example', not one")
     return blocks[0]
-
-
-def child_cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def one_round(code: str, folder: Path, data_dir: str, threads: int | None) -> dict:
