@@ -523,3 +523,35 @@ def test_margins_runs_matrix_entries_over_seeds_both_ways_and_keeps_the_lowest(t
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "margins.py"), "--entries", "no-such-entry",
                            "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "no-such-entry" in proc.stderr and not (tmp_path / "bad.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# eval_chunk.py: an evaluation batch whole and in eval.chunk calls
+# ------------------------------------------------------------------------------------------
+
+def test_eval_chunk_times_a_batch_whole_and_in_calls_with_the_same_logits(tmp_path):
+    """Two recipes' batches of 40 random images in calls of 16 (3 calls of each view): every round
+    of both ways timed, the logits of the two ways the same (to float rounding), the record
+    naming the machine; a record is never overwritten and a bad argument is one line."""
+    out = tmp_path / "record.json"
+    proc = script("eval_chunk.py", "--recipes", "fashion-mnist,cifar10-94", "--images", "40", "--chunk", "16",
+                  "--rounds", "2", "--threads", "1", "--out", out)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["threads"] == 1 and record["precision"] == "fp32"
+    fashion, cifar = record["recipes"]
+    assert (fashion["recipe"], fashion["channels"], fashion["image_size"]) == ("fashion-mnist", 1, [28, 28])
+    assert (cifar["recipe"], cifar["channels"], cifar["image_size"]) == ("cifar10-94", 3, [32, 32])
+    for r in record["recipes"]:
+        assert r["images"] == 40 and r["chunk"] == 16 and r["calls_per_view"] == 3
+        assert all(len(s) == 2 and min(s) > 0 for s in r["seconds"].values())
+        assert r["chunked_over_whole"] == r["median_seconds"]["chunked"] / r["median_seconds"]["whole"]
+        assert r["max_abs_logit_difference"] < 1e-3
+        assert f"{r['recipe']}: 40 images" in proc.stdout
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eval_chunk.py"), "--out", str(out)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert refused.returncode != 0 and "exists" in refused.stderr and json.loads(out.read_text()) == record
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eval_chunk.py"), "--recipes", "cifar10-95",
+                          "--out", str(tmp_path / "other.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode != 0 and "cifar10-95" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "other.json").exists()

@@ -275,6 +275,37 @@ def test_a_signal_in_the_final_evaluation_stops_it_and_the_resume_reports_the_un
     assert metrics(run)[-1]["seconds_total"] == s["train_seconds"]
 
 
+ONE_BATCH = ["--set", "eval.batch_size=10000", "--set", "eval.chunk=250"]
+"""The final evaluation as one batch of all 10,000 test images (as a large eval.batch_size on a
+slow CPU makes one batch last minutes), computed in model calls of 250 images: the images of
+each call are those of one of LONG_FINAL's batches of 250."""
+
+
+def test_a_signal_inside_one_long_evaluation_batch_stops_between_its_model_calls(fashion_long_test, tmp_path,
+                                                                                  whole_long_final):
+    """SIGTERM as a final evaluation of a single batch starts: the stop is checked between the
+    batch's model calls, not only between batches, so the run stops inside its only batch
+    (no accuracy printed), exit 75, the trained weights and a checkpoint written; the resume
+    evaluates the batch again. Its plain-view accuracy is the uninterrupted LONG_FINAL run's
+    exactly (the same images in each call); its TTA accuracy is near that run's, not the same
+    (TTA goes to the least confident quarter of each batch, and here the batch is all the test
+    images)."""
+    run = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "speedrun", "train", *LONG_FINAL, *ONE_BATCH, "--data-dir", str(fashion_long_test),
+           "--out", str(run), "--log-every", "1"]
+    rc, out, err = signalled_at_line(cmd, signal.SIGTERM, "final evaluation: 10,000 test images")
+    stopped_in(rc, out, err, signal.SIGTERM, run, "the final evaluation", 8, 8)
+    assert "final evaluation done" not in out and "test accuracy" not in out
+    assert equal_weights(whole_long_final, run)
+    resumed = resume(run, fashion_long_test)
+    assert "final evaluation done" in resumed
+    s, whole = summary(run), summary(whole_long_final)
+    assert s["resumed_from_step"] == 8 and "chunk = 250" in (run / "config.toml").read_text()
+    assert {k: s[k] for k in ("test_acc_no_tta", "steps", "test_images")} == \
+        {k: whole[k] for k in ("test_acc_no_tta", "steps", "test_images")}
+    assert abs(s["test_acc"] - whole["test_acc"]) < 0.01 and equal_weights(whole_long_final, run)
+
+
 @pytest.fixture(scope="module")
 def whole_monitored(fashion_long_test, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("whole-monitored") / "run"

@@ -587,6 +587,10 @@ class EvalConfig(Section):
                                 "the images the plain view is least confident about")
     every: int = Field(1, ge=0, description="epochs between monitoring evaluations; 0 = final only")
     batch_size: int = Field(1000, gt=0)
+    chunk: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="images per model call within an evaluation batch; a stop signal (SIGTERM, Ctrl-C) "
+        "is checked between calls: auto = on a CPU, as many as make 10 GFLOP of forward passes (a few seconds "
+        "on one core of a slow CPU); on a GPU, the whole batch")
 
     @model_validator(mode="after")
     def _used(self):

@@ -35,18 +35,56 @@ TTA_VIEWS: dict[str, list[tuple[float, Callable]]] = {
 }
 
 
+EVAL_CHUNK_FLOPS = 1e10
+"""On a CPU, the most forward-pass FLOPs of one model call in an evaluation (``eval.chunk =
+"auto"``): a batch is cut into calls of that many images, and a stop signal is checked between
+them. A whole batch of 500 Tiny-ImageNet images at 64 px on a ResNet-18 is about 30 times this and
+took over a minute on one thread of a 2-core AMD EPYC Zen 1; a call of this size takes a few
+seconds there."""
+
+
+def chunk_images(forward_flops: float) -> int:
+    """Images per model call of an evaluation on a CPU, for a model of ``forward_flops`` per
+    image (:data:`EVAL_CHUNK_FLOPS`)."""
+    return max(1, int(EVAL_CHUNK_FLOPS // max(forward_flops, 1.0)))
+
+
+def _calls(model: nn.Module, x: torch.Tensor, chunk: int | None, between: Callable[[], None] | None) -> torch.Tensor:
+    """``model(x)`` as fp32 logits, in calls of at most ``chunk`` images where the batch has more,
+    with ``between()`` before each call after the first. The calls are of one size (the batch cut
+    into equal parts, the last filled with zero images whose outputs are dropped), so that a
+    compiled model sees one shape per batch size; in evaluation mode each image's logits do not
+    depend on the others in its call."""
+    n = len(x)
+    if chunk is None or n <= chunk:
+        # a copy: under CUDA graphs the next view's replay of the same graph overwrites the output
+        return model(x).to(torch.float32, copy=True)
+    calls = math.ceil(n / chunk)
+    size = math.ceil(n / calls)
+    if calls * size > n:
+        x = torch.cat([x, x.new_zeros((calls * size - n, *x.shape[1:]))])
+    out = []
+    for i in range(calls):
+        if i and between is not None:
+            between()
+        out.append(model(x[i * size:(i + 1) * size]).float())
+    return torch.cat(out)[:n]
+
+
 def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.contiguous_format,
-               fraction: float = 1.0, valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               fraction: float = 1.0, valid: int | None = None, chunk: int | None = None,
+               between: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean of the views' logits, logits of the plain view) for one batch.
 
     With ``fraction`` < 1 only that share of the batch, the images whose plain prediction has
     the smallest margin between its two top logits, gets the other views (the 2025 CIFAR-10
     record's cheaper TTA); the rest keep their plain logits. The share is a fixed count per
     batch size, so nothing is read back from the device. ``valid``: the rows that are images
-    where the rest pad the batch (:func:`evaluate`'s ``pad_to``): padding rows are chosen last."""
+    where the rest pad the batch (:func:`evaluate`'s ``pad_to``): padding rows are chosen last.
+    ``chunk``, ``between``: each view is computed in calls of at most that many images, with
+    ``between()`` (the stop check) before each call but the batch's first."""
     views = TTA_VIEWS[tta]
-    # a copy: under CUDA graphs the next view's replay of the same graph overwrites the output
-    plain = model(x.contiguous(memory_format=memory_format)).to(torch.float32, copy=True)
+    plain = _calls(model, x.contiguous(memory_format=memory_format), chunk, between)
     if len(views) == 1:
         return plain, plain
     idx = None
@@ -60,14 +98,17 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str, memory_format=torch.
         x = x[idx]
     total = views[0][0] * (plain if idx is None else plain[idx])
     for weight, view in views[1:]:
-        total = total + weight * model(view(x).contiguous(memory_format=memory_format)).float()
+        if between is not None and chunk is not None:
+            between()
+        total = total + weight * _calls(model, view(x).contiguous(memory_format=memory_format), chunk, between)
     if idx is None:
         return total, plain
     return plain.index_copy(0, idx, total), plain
 
 
 class EvaluationStopped(Exception):
-    """A stop signal ended an evaluation between two of its batches (``signum``: the signal)."""
+    """A stop signal ended an evaluation between two of its batches or model calls (``signum``: the
+    signal)."""
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -79,7 +120,8 @@ class EvaluationStopped(Exception):
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float = 1.0,
              on_batch: Callable | None = None, pad_to: int | None = None,
-             stop: Callable[[bool], int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+             stop: Callable[[bool], int | None] | None = None,
+             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Correct-prediction counts (with TTA, plain view) as device tensors, and the number of
     images, over an iterable of (x, y) device batches: no host sync. ``on_batch(total, plain,
     y)``, where given, sees each batch's logits (``speedrun evaluate`` keeps them).
@@ -88,7 +130,8 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
     (``stop(False)``) whether a stop signal ends the evaluation; a signal number raises
     :class:`EvaluationStopped`. It reads a flag (one process) or agrees with the other ranks
     (see :meth:`~speedrun.engine.distributed.StopAgreement.in_evaluation`); nothing waits for
-    the device.
+    the device. ``chunk``: each batch's views are computed in model calls of at most this many
+    images, and ``stop`` is asked between them too (on a CPU, where one batch can take minutes).
 
     ``pad_to``: a batch with fewer images (the last one of a set, a smaller set) is filled to
     this many with zero images whose outputs are dropped, so that a compiled model sees one
@@ -108,7 +151,8 @@ def evaluate(model: nn.Module, batches, tta: str, runtime=None, fraction: float 
                 valid = len(xb)
                 if pad_to is not None and valid < pad_to:
                     xb = torch.cat([xb, xb.new_zeros((pad_to - valid, *xb.shape[1:]))])
-                total, plain = tta_logits(model, xb, tta, memory_format, fraction, valid)
+                total, plain = tta_logits(model, xb, tta, memory_format, fraction, valid, chunk,
+                                          None if stop is None else (lambda: _check(stop, True)))
                 total, plain = total[:valid], plain[:valid]
                 if on_batch is not None:
                     on_batch(total, plain, yb)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .evaluate import TTA_VIEWS
+from .evaluate import TTA_VIEWS, chunk_images
 from .sizes import step_image_shapes
 from ..compat import cpu_bf16_units
 from ..errors import SpeedrunError
@@ -310,3 +310,17 @@ def efficiency(total_flops: float, seconds: float, device_type: str, device_name
         "utilisation": achieved / peak if (achieved and peak) else None,
         "ideal_seconds": total_flops / peak if peak else None,
     }
+
+
+def eval_chunk(recipe: Recipe, in_channels: int, num_classes: int, eval_size: tuple[int, int],
+               device_type: str) -> int | None:
+    """Images per model call of the run's evaluations (``eval.chunk``; None: whole batches):
+    on a CPU, by default, as many as make :data:`~speedrun.engine.evaluate.EVAL_CHUNK_FLOPS`
+    of forward passes, counted as for the run's summary (and kept)."""
+    chunk = recipe.eval.chunk
+    if chunk != "auto":
+        return chunk
+    if device_type != "cpu":
+        return None
+    forward = per_image_flops(recipe, in_channels, num_classes, tuple(eval_size))["forward"]
+    return chunk_images(forward)

@@ -35,6 +35,7 @@ from . import distributed
 from .build import build_for_run, fresh_model, snapshot, teacher_for, train_step_for
 from .distributed import World
 from .evaluate import TTA_VIEWS, EvaluationStopped, evaluate
+from .flops import eval_chunk
 from .precision import NonFiniteLoss, first_bad_step
 from .records import EpochRecord, EpochSteps, RunResult, TargetStop
 from .compiling import cache_counts
@@ -208,6 +209,8 @@ class Session:
         # compiled: evaluation batches padded to one size, so the evaluation is one compiled shape
         self.eval_pad = eval_pad([len(source.test_y), self.holdout_images], recipe.eval.batch_size,
                                  self.shard) if runtime.compile else None
+        self.eval_chunk = eval_chunk(recipe, source.in_channels, source.num_classes, source.eval_size,
+                                     runtime.device.type)
         if recipe.train.stop_at_target and not self.holdout_images:
             raise RecipeError("train.stop_at_target checks the target on a validation split held out of the "
                               "training images, and the data given to this run holds none out: open the data with "
@@ -413,7 +416,7 @@ class Session:
             check = lambda running: agreement.in_evaluation(lambda: stop.received, running)  # noqa: E731
         try:
             c_tta, c_plain, n = evaluate(self.forward, batches, tta, self.runtime, fraction, pad_to=self.eval_pad,
-                                         stop=check)
+                                         stop=check, chunk=self.eval_chunk)
         except EvaluationStopped as stopped:
             stopped.what = what
             if what == FINAL and self.world.is_main:

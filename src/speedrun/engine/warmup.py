@@ -95,9 +95,9 @@ def warm_up(session) -> float:
         x = randn(n, c, *src.eval_size).to(rt.dtype).contiguous(memory_format=rt.memory_format)
         y = torch.randint(0, classes, (n,), generator=gen, device=rt.device)
         for _ in range(2 if rt.cuda_graphs else 1):       # (CUDA graphs record on the second call)
-            evaluate(session.forward, [(x, y)], "none", rt)
+            evaluate(session.forward, [(x, y)], "none", rt, chunk=session.eval_chunk)
             if n in tested:
-                evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction)
+                evaluate(session.forward, [(x, y)], r.eval.tta, rt, r.eval.tta_fraction, chunk=session.eval_chunk)
     rt.synchronize()
     model.load_state_dict(saved)
     model.train()

@@ -25,6 +25,7 @@ from .. import __version__
 from ..data.pipeline.dataset import FolderSource, open_pipeline, open_source
 from ..data.sources.folder import folder_splits
 from ..engine.evaluate import EvaluationStopped, evaluate
+from ..engine.flops import eval_chunk
 from ..engine.runtime import compiled_model, device_name
 from ..errors import DataError
 from ..files import atomic_write_bytes, atomic_write_json, atomic_write_text, check_output_folder
@@ -111,9 +112,10 @@ def run_evaluation(loaded: LoadedRun, test: TestSet, stop: StopSignals | None = 
             indices.append(idx)
             yield x, y
     check = None if stop is None else (lambda running: stop.received if running else None)
+    chunk = eval_chunk(r, loaded.channels, len(loaded.classes), loaded.image_size, rt.device.type)
     c_tta, c_plain, n = evaluate(forward, batches(), r.eval.tta, rt, r.eval.tta_fraction,
                                  on_batch=lambda total, plain, y: kept.append((total.cpu(), plain.cpu(), y.cpu())),
-                                 stop=check)
+                                 stop=check, chunk=chunk)
     if not kept:
         raise DataError(f"{test.describe}: no test images could be read")
     total, plain, labels = (torch.cat(parts) for parts in zip(*kept))
