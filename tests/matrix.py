@@ -250,13 +250,13 @@ FIELDS: list[Entry] = [
     Entry("folder", "jpeg32", tuple(FOLDER + ["data.progressive=[[0.0, 0.5], [0.5, 1.0]]", "augment.cutout=8",
                                               "augment.brightness=0.1", "augment.contrast=0.1"])),
     # speed-net and optimizer knobs, one-cycle with cycled momentum, accumulation, checkpoints,
-    # low-resolution steps as windows of the translated images
+    # low-resolution steps as windows of the translated images; each evaluation batch in calls of 64
     Entry("cifar10-94", "cifar_small", tuple(NPZ + SPEEDNET + [
         "model.activation=celu", "model.celu_alpha=0.5", "model.norm.fp32=false", "optim.whiten_bias_lr_mult=2.0",
         "optim.filters=orthogonal", "optim.filter_momentum=0.5", "optim.ns_steps=4", "optim.filter_norm_every=2",
         "optim.ns_precision=bf16",
         "optim.filter_weight_decay=0.01", "schedule={kind='onecycle', peak_at=0.4, start=0.1, end=0.01, "
-        "momentum_low=0.8}", "train.accumulate=2", "train.seed=7", "eval.every=0", "runtime.channels_last=false",
+        "momentum_low=0.8}", "train.accumulate=2", "train.seed=7", "eval.every=0", "eval.chunk=64", "runtime.channels_last=false",
         "checkpoint.every_steps=2", "model.whiten.padding=true", "model.whiten.negate=false",
         "averaging.every=3", "averaging.power=2.0", "data.progressive=[[0.0, 0.75], [0.5, 1.0]]",
         "augment.low_res=crop"]),
