@@ -38,6 +38,10 @@ def test_train_writes_the_run_record(quick_run):
     assert summary["epochs"] == pytest.approx(0.25, abs=1 / 234)   # whole steps: 59 of 234 per epoch
     assert 0 <= summary["test_acc"] <= 1 and summary["torch_version"] == torch.__version__
     assert summary["compile_seconds"] == 0 and 0 < summary["train_seconds"] < summary["wall_seconds"]
+    # the start-up: from the process's start (the interpreter's share read from /proc) to the training clock
+    assert 0 < summary["before_main_seconds"] < summary["start_up_seconds"]
+    assert summary["start_up_seconds"] - summary["before_main_seconds"] < summary["wall_seconds"] - summary["train_seconds"]
+    assert "start-up seconds" in proc.stdout and "training clock" in summary["start_up_region"]
     # a quarter epoch of a small net already classifies most of Fashion-MNIST (chance: 0.1)
     assert summary["test_acc"] > 0.65 and summary["test_acc_no_tta"] > 0.65
 

@@ -136,6 +136,10 @@ def check_record(out, entry: Entry) -> dict:
         f"{entry.id}: accuracy {summary['test_acc']:.3f} (no TTA {summary['test_acc_no_tta']:.3f}) on {n} test " \
         f"images of {classes} classes; chance + 3 SE = {least:.3f}"
     assert summary["steps"] >= 3 and 0 < summary["train_seconds"] < summary["wall_seconds"]
+    # the start-up (the warm-up in it) ends where the training clock starts: within the run's wall time
+    # (measured from speedrun's entry point; in a process, the interpreter's share before it is added)
+    assert summary["compile_seconds"] <= summary["start_up_seconds"] and \
+        summary["start_up_seconds"] - (summary["before_main_seconds"] or 0) <= summary["wall_seconds"] - summary["train_seconds"]
     assert len(rows) == math.ceil(summary["epochs"] - 1e-9) and rows[-1]["test_acc"] == summary["test_acc_no_tta"]
     assert all(math.isfinite(r["train_loss"]) for r in rows)
     state = torch.load(out / "model.pt", weights_only=True)

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from . import __version__
 from .errors import SpeedrunError, UsageError
-from .world import detect
+from .world import detect, process_age as _process_age
 
 
 def _positive_int(text: str) -> int:
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     args.started = started
+    args.before_main = _process_age() if argv is None else None     # (a call from Python: no process start)
     try:
         return dispatch(args)
     except SpeedrunError as err:

@@ -221,7 +221,8 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         return 0
     record.save_weights(result.state_dict)
     record.write_preprocessing(preprocessing_of(recipe, session, result))
-    summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started)
+    summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started, args.started,
+                         getattr(args, "before_main", None))
     record.write_summary(summary)
     rows = [
         ("test accuracy" + (f" ({recipe.eval.tta} TTA)" if recipe.eval.tta != "none" else ""),
@@ -231,6 +232,7 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         ("epochs", f"{result.epochs:g}"),
         ("train seconds", f"{result.train_seconds:.2f}"),
         ("compile seconds", f"{session.compile_seconds:.2f}"),
+        ("start-up seconds", f"{summary['start_up_seconds']:.2f} (process start to the training clock)"),
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("record", str(record.folder)),
     ]

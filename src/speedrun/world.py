@@ -70,3 +70,14 @@ def detect(env=None) -> World:
     return World(restart=requeued)
 
 
+def process_age() -> float | None:
+    """Seconds since this process started, from Linux's /proc (its start in clock ticks after
+    boot, and the seconds since boot); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

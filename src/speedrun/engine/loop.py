@@ -273,6 +273,7 @@ class Session:
 
         source = place_source(self.source, rt)          # (the move to the device: before the clock)
         clock = Clock(rt)
+        clock_started = time.perf_counter()
         # --- first touch of the training data: measure, whiten ---------------------------
         data = open_pipeline(source, r, rt, seed, self.shard)
         whiten = getattr(model, "whiten", None)
@@ -364,7 +365,8 @@ class Session:
                          skipped_files=dict(data.skipped_files),
                          resumed_from_step=resume["step"] if resume else None,
                          normalisation=(data.mean.tolist(), data.std.tolist()), test_images=int(n_test),
-                         pass_images=list(pruner.kept) if pruner is not None else [], target_stop=st.target)
+                         pass_images=list(pruner.kept) if pruner is not None else [], target_stop=st.target,
+                         clock_started=clock_started)
 
     def _pruner(self, data) -> LossPruner | None:
         """The run's loss-based pruning of easy images (``data.prune``), attached to the data."""

@@ -24,6 +24,21 @@ TRAIN_SECONDS_REGION = ("first touch of the training data on the device (channel
                         "bookkeeping: snapshots, checkpoints, metrics files, progress (bookkeeping_seconds)")
 
 
+START_UP_REGION = ("the process's start (before_main_seconds: the interpreter and speedrun's entry point; 0 where "
+                   "the operating system does not say when the process started) to the start of the training "
+                   "clock: imports, the recipe, opening the data, building the network and loading its weights, "
+                   "the warm-up (compile_seconds) and the move of an in-memory data set to the device")
+
+
+def start_up_figures(result: RunResult, started: float, before_main: float | None) -> dict:
+    """How long the process took to start training: ``started`` is time.perf_counter() at
+    speedrun's entry point, ``before_main`` the process's age then (:func:`speedrun.world.process_age`)."""
+    if result.clock_started is None:
+        return {"start_up_seconds": None, "before_main_seconds": before_main, "start_up_region": START_UP_REGION}
+    return {"start_up_seconds": result.clock_started - started + (before_main or 0.0),
+            "before_main_seconds": before_main, "start_up_region": START_UP_REGION}
+
+
 def flop_figures(result: RunResult, session) -> dict:
     """The run's FLOPs (training steps at their sizes, the final evaluation) and how close to
     the device's peak they ran. ``session``: the run's :class:`~speedrun.engine.loop.Session`."""
@@ -34,9 +49,11 @@ def flop_figures(result: RunResult, session) -> dict:
     return {**total, **eff}
 
 
-def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: float) -> dict:
+def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: float, started: float | None = None,
+               before_main: float | None = None) -> dict:
     """summary.json of a finished run: ``env`` is the environment (device, versions, commit),
-    ``wall`` the process's seconds so far."""
+    ``wall`` the process's seconds so far; ``started`` (time.perf_counter() at speedrun's entry
+    point) and ``before_main`` (the process's age then) give the start-up figures."""
     world, d = session.world, recipe.distributed
     parallel = {**world.describe(), "per_rank_batch": session.local_batch}
     if world.distributed:
@@ -70,6 +87,7 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         "bookkeeping_seconds": result.bookkeeping_seconds,
         "recompiles": result.recompiles,
         "wall_seconds": wall,
+        **(start_up_figures(result, started, before_main) if started is not None else {}),
         "seed": result.seed,
         **skipped_images(result, session.source),
         "resumed_from_step": result.resumed_from_step,
