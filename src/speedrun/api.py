@@ -167,6 +167,7 @@ def _parse(argv: list[str]):
     except SystemExit:
         raise UsageError(f"speedrun {' '.join(argv)}: not a valid command (see `speedrun {argv[0]} --help`)") from None
     args.started = time.perf_counter()
+    args.before_main = None                     # (a call from Python: no process start of its own)
     return args
 
 

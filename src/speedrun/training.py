@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -221,8 +220,7 @@ def _train_into(record, recipe: Recipe, resume, device: torch.device, args, worl
         return 0
     record.save_weights(result.state_dict)
     record.write_preprocessing(preprocessing_of(recipe, session, result))
-    summary = summary_of(recipe, result, session, env, time.perf_counter() - args.started, args.started,
-                         getattr(args, "before_main", None))
+    summary = summary_of(recipe, result, session, env, args.started, args.before_main)
     record.write_summary(summary)
     rows = [
         ("test accuracy" + (f" ({recipe.eval.tta} TTA)" if recipe.eval.tta != "none" else ""),

@@ -273,7 +273,7 @@ class Session:
 
         source = place_source(self.source, rt)          # (the move to the device: before the clock)
         clock = Clock(rt)
-        clock_started = time.perf_counter()
+        clock_started = clock.t0                        # (a resumed run's clock below starts earlier)
         # --- first touch of the training data: measure, whiten ---------------------------
         data = open_pipeline(source, r, rt, seed, self.shard)
         whiten = getattr(model, "whiten", None)

@@ -76,4 +76,4 @@ class RunResult:
     test_images: int = 0
     pass_images: list[int] = field(default_factory=list)   # data.prune: training images visited per pass
     target_stop: TargetStop | None = None                   # train.stop_at_target: its checks, where it stopped
-    clock_started: float | None = None          # time.perf_counter() when this process started the training clock
+    clock_started: float | None = None          # time.perf_counter() when this process started the training clock (always set by a run)

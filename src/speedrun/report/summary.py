@@ -4,6 +4,7 @@ record writer (:mod:`speedrun.report.record`) writes them; ``speedrun train`` ga
 from the finished run."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -33,8 +34,6 @@ START_UP_REGION = ("the process's start (before_main_seconds: the interpreter an
 def start_up_figures(result: RunResult, started: float, before_main: float | None) -> dict:
     """How long the process took to start training: ``started`` is time.perf_counter() at
     speedrun's entry point, ``before_main`` the process's age then (:func:`speedrun.world.process_age`)."""
-    if result.clock_started is None:
-        return {"start_up_seconds": None, "before_main_seconds": before_main, "start_up_region": START_UP_REGION}
     return {"start_up_seconds": result.clock_started - started + (before_main or 0.0),
             "before_main_seconds": before_main, "start_up_region": START_UP_REGION}
 
@@ -49,11 +48,12 @@ def flop_figures(result: RunResult, session) -> dict:
     return {**total, **eff}
 
 
-def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: float, started: float | None = None,
-               before_main: float | None = None) -> dict:
-    """summary.json of a finished run: ``env`` is the environment (device, versions, commit),
-    ``wall`` the process's seconds so far; ``started`` (time.perf_counter() at speedrun's entry
-    point) and ``before_main`` (the process's age then) give the start-up figures."""
+def summary_of(recipe: Recipe, result: RunResult, session, env: dict, started: float,
+               before_main: float | None) -> dict:
+    """summary.json of a finished run: ``env`` is the environment (device, versions, commit);
+    ``started`` is time.perf_counter() at speedrun's entry point (the wall time counts from it) and
+    ``before_main`` the process's age then, None where it has no process of its own."""
+    wall = time.perf_counter() - started
     world, d = session.world, recipe.distributed
     parallel = {**world.describe(), "per_rank_batch": session.local_batch}
     if world.distributed:
@@ -87,7 +87,7 @@ def summary_of(recipe: Recipe, result: RunResult, session, env: dict, wall: floa
         "bookkeeping_seconds": result.bookkeeping_seconds,
         "recompiles": result.recompiles,
         "wall_seconds": wall,
-        **(start_up_figures(result, started, before_main) if started is not None else {}),
+        **start_up_figures(result, started, before_main),
         "seed": result.seed,
         **skipped_images(result, session.source),
         "resumed_from_step": result.resumed_from_step,
