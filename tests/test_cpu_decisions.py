@@ -54,11 +54,17 @@ def test_resolved_cpu_runtime_says_why():
     ("resnet", "bf16", 100_000, False, False),     # bf16 batch norm: eager 1.91 s a step, compiled 2.79 s
     ("resnet", "fp32", 100_000, True, False),      # +6% on a Zen 4, -8% on a Zen 3
     (None, "bf16", None, True, False),             # length unknown: eager
+    ("timm", "bf16", 100_000, True, False),        # not timed compiled on a CPU: eager, saying so
+    ("custom", "fp32", 100_000, True, False),
 ])
 def test_auto_cpu_compile_follows_the_measurements(model, precision, steps, norm_fp32, compiled):
     on, why = auto_cpu_compile(model, precision, steps, norm_fp32)
     assert on is compiled and why.startswith("compile on" if compiled else "compile off")
     assert "measured" not in why                      # (on the CPUs the timings come from)
+    if model in ("timm", "custom"):
+        whose = "timm" if model == "timm" else "your"
+        assert why == (f"compile off: speedrun has not timed {whose} networks compiled on a CPU, so they run "
+                       "eager (runtime.compile=on compiles them)")
 
 
 def test_the_compile_line_says_its_timings_come_from_another_cpu():

@@ -32,6 +32,24 @@ def test_auto_precision_follows_compute_capability(capability, precision):
     assert auto_cuda_precision(capability) == precision
 
 
+@pytest.mark.parametrize("model, said", [("timm", "not timm's networks"), ("custom", "not your networks"),
+                                         ("speednet", None), ("resnet", None)])
+def test_auto_compiles_any_network_on_cuda_and_says_which_it_has_not_timed(model, said):
+    """On CUDA "auto" compiles every network; for one speedrun has not timed compiled there (a timm
+    network, your own) the start line says so and how to run it eager. (A CUDA device is only named
+    here: with the precision given, the decision asks the device nothing.)"""
+    cfg = RuntimeConfig(precision="bf16")
+    rt = resolve_runtime(cfg, torch.device("cuda"), model, 1000)
+    assert rt.compile
+    lines = [c for c in rt.choices if c.startswith("compile on: CUDA compiles every network")]
+    if said is None:
+        assert not lines
+    else:
+        assert len(lines) == 1 and said in lines[0] and "runtime.compile=off runs eager" in lines[0]
+    off = resolve_runtime(RuntimeConfig(precision="bf16", compile="off"), torch.device("cuda"), model, 1000)
+    assert not off.compile and not any(c.startswith("compile on") for c in off.choices)
+
+
 TORCH_MODES = {("default", False): "default", ("default", True): "reduce-overhead",
                ("max-autotune", True): "max-autotune", ("max-autotune", False): "max-autotune-no-cudagraphs"}
 """Each pair of the two choices and the torch.compile mode that means the same."""

@@ -205,6 +205,10 @@ def measured_elsewhere(cpu: str) -> str:
     return f"; timings measured on 2-core AMD EPYCs (Zen 3, Zen 4), not on this CPU ({cpu or 'unknown'})"
 
 
+TIMED_NETWORKS = ("speednet", "resnet")
+"""The model kinds whose compiled steps speedrun has timed against eager ones (step_structure.py records)."""
+
+
 def auto_cpu_compile(model: str | None, precision: str, steps: int | None,
                      norm_fp32: bool = True, cpu: str = MEASURED_CPUS) -> tuple[bool, str]:
     """(compile?, why) for ``runtime.compile = "auto"`` on a CPU, from measurements on 2-core
@@ -231,13 +235,23 @@ def _cpu_compile_choice(model: str | None, precision: str, steps: int | None, no
                       f"per step on a Zen 4; pays for its compilation after about {cpu_resnet_pays_after()} steps)")
     if model is None or steps is None:
         return False, "compile off: eager on CPUs unless the run is known to pay for compiling"
-    if model not in ("speednet", "resnet"):
+    if model not in TIMED_NETWORKS:
         return False, (f"compile off: speedrun has not timed {'timm' if model == 'timm' else 'your'} networks compiled "
                        "on a CPU, so they run eager (runtime.compile=on compiles them)")
     why = ("a speed net runs no faster compiled on a CPU" if model == "speednet" else
            f"a ResNet in {precision} gains too little on a CPU" if precision != "bf16" else
            f"{steps} steps do not pay for compiling a ResNet (at least {CPU_COMPILE_MIN_STEPS})")
     return False, f"compile off: {why}"
+
+
+def auto_cuda_compile(model: str) -> str:
+    """What ``runtime.compile = "auto"`` says on CUDA for a network speedrun has not timed there
+    (a timm network, your own): compiled, as every network is on CUDA, since a compiled step's
+    fused kernels and single graph are what a GPU runs fastest for every network speedrun has
+    timed; the line says it is untimed for this one and how to run it eager."""
+    whose = "timm's networks" if model == "timm" else "your networks"
+    return (f"compile on: CUDA compiles every network; speedrun has timed its own compiled there, not {whose} "
+            "(runtime.compile=off runs eager, which starts sooner: a short run may finish before compiling pays)")
 
 
 def cpp_compiler() -> str | None:
@@ -295,6 +309,8 @@ def resolve_runtime(cfg: RuntimeConfig, device: torch.device, model: str | None 
         compile_, why = auto_cpu_compile(model, precision, steps, norm_fp32, cpu_name())
         if model is not None:
             choices.append(why)
+    elif cfg.compile == "auto" and model is not None and model not in TIMED_NETWORKS:
+        choices.append(auto_cuda_compile(model))
     backend = os.environ.get(BACKEND_VARIABLE) or "inductor"
     if backend not in ("inductor", "aot_eager", "eager"):
         raise RecipeError(f"${BACKEND_VARIABLE}={backend!r}: use inductor, aot_eager or eager")
