@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -104,6 +105,32 @@ def test_your_network_is_benchmarked_compared_and_ablated(npz32, tmp_path, monke
     assert [(v["label"], v["overrides"]) for v in rows] == [("recipe", []),
                                                           ("without label_smoothing", ["train.label_smoothing=0"])]
     assert rows[0]["test_acc"]["mean"] > bar(10, 512) and 0 <= rows[1]["p_acc"] <= 1
+
+
+@pytest.mark.slow
+def test_the_batch_finder_halves_your_network_s_batch_on_a_real_out_of_memory(npz32, tmp_path):
+    """--find-batch on a factory's network under an address-space limit, so that the large batch really
+    fails to allocate: at width 96 a step of all 512 images did not fit in 0.7-1.1 GiB more than the
+    process held after importing torch, and one of 256 fitted in 0.7-1.0 GiB (2-core AMD EPYC Zen 3,
+    torch 2.13); the limit here is 0.9 GiB. Half an epoch, so the found batch's steps are counted."""
+    factory_file(tmp_path)
+    recipe = recipe_file(tmp_path, CUSTOM)
+    code = f"""
+import resource, sys
+from speedrun.cli import main
+import torch
+base = int(open('/proc/self/statm').read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (base + int(0.9 * 2**30), resource.RLIM_INFINITY))
+sys.exit(main(["train", {str(recipe)!r}, "--data-dir", {str(npz32)!r}, "--out", {str(tmp_path / 'fb')!r},
+               "--device", "cpu", "--find-batch", "--set", "data.batch_size=512", "--set", "model.args={{width=96}}",
+               "--set", "train.epochs=0.5", "--set", "eval.batch_size=128"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data.batch_size=512 ran out of memory on cpu; using 256" in proc.stdout, proc.stdout[-3000:]
+    s = json.loads((tmp_path / "fb" / "summary.json").read_text())
+    assert s["batch_size"] <= 256 and s["steps"] == 256 // s["batch_size"]          # half an epoch
+    assert f"batch_size = {s['batch_size']}" in (tmp_path / "fb" / "config.toml").read_text()
 
 
 FACTORY_REFUSALS = [
