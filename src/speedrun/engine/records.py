@@ -64,6 +64,7 @@ class RunResult:
     steps: int
     train_seconds: float
     monitor_seconds: float
+    clock_started: float                        # time.perf_counter() when this process started the training clock
     bookkeeping_seconds: float = 0.0
     final_eval_seconds: float = 0.0             # the final evaluation with TTA (inside train_seconds)
     recompiles: int = 0
@@ -76,4 +77,3 @@ class RunResult:
     test_images: int = 0
     pass_images: list[int] = field(default_factory=list)   # data.prune: training images visited per pass
     target_stop: TargetStop | None = None                   # train.stop_at_target: its checks, where it stopped
-    clock_started: float | None = None          # time.perf_counter() when this process started the training clock (always set by a run)
