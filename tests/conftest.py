@@ -184,3 +184,18 @@ def _torch_weight_gradients():
     from speedrun.models import weight_grad
     weight_grad.set_mode("torch")
     yield
+
+
+@pytest.fixture(scope="session")
+def teacher_run(artifacts, cifar_small) -> Path:
+    """The recipe matrix's TEACHER entry's run folder (cifar10-94 on CIFAR-10's first 1,024 images),
+    trained once per test session (shared by xdist's workers): the model the matrix's distillation
+    and fine-tuning entries start from, and the weights benchmarks/finetune_peers.py's test
+    fine-tunes."""
+    from matrix import MATRIX, command
+    from speedrun.cli import main
+
+    def build(out):
+        argv, env = command(MATRIX[0], cifar_small, out)          # (test_recipe_matrix.py's TEACHER)
+        assert not env and main(argv) == 0
+    return build_once(artifacts, "matrix-teacher-run", build)

@@ -555,3 +555,40 @@ def test_eval_chunk_times_a_batch_whole_and_in_calls_with_the_same_logits(tmp_pa
                           "--out", str(tmp_path / "other.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode != 0 and "cifar10-95" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "other.json").exists()
+
+
+def test_finetune_peers_times_each_report_and_leaves_out_the_peers_it_cannot_run(tmp_path, jpeg32, teacher_run):
+    """benchmarks/finetune_peers.py at a tiny size with speedrun alone: the matrix's teacher run (a speed
+    net trained on 1,024 CIFAR-10 images) fine-tuned for 2 epochs on the 512-image JPEG folder, each
+    epoch's val/ accuracy timed as its line arrives; fastai asked of an interpreter without it and
+    timm's train.py not given, so both are left out, saying why. The target defaults to the highest
+    accuracy every run reached."""
+    out = tmp_path / "peers.json"
+    script("finetune_peers.py", "--folder", f"cifar={jpeg32}", "--weights", f"speednet={teacher_run}",
+           "--seeds", 1, "--epochs", 2, "--image-size", 32, "--batch-size", 64, "--speedrun-set", "eval.tta=none",
+           "--speedrun-set", "data.workers=1", "--fastai-python", sys.executable, "--work", tmp_path / "work",
+           "--out", out, timeout=600)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert record["systems"] == ["speedrun"] and record["fastai_version"] is None
+    assert record["left_out"] == {"fastai": f"{sys.executable} cannot import fastai (pip install fastai into it)",
+                                  "fastai-lr-find": f"{sys.executable} cannot import fastai (pip install fastai into it)",
+                                  "timm": "no --timm-python given"}
+    (run,) = record["runs"]
+    assert run["rc"] == 0 and run["command"][1:5] == ["-m", "speedrun", "train", "folder"]
+    times = [r["seconds"] for r in run["reports"]]
+    assert len(times) == 2 and 0 < times[0] < times[1] < run["wall_seconds"]
+    summary = json.loads((tmp_path / "work" / "cifar-speednet-speedrun-seed0" / "summary.json").read_text())
+    assert run["reports"][-1]["accuracy"] == pytest.approx(summary["test_acc_no_tta"], abs=1e-4)
+    best = max(r["accuracy"] for r in run["reports"])
+    assert best > 0.2                                           # learned (chance: 0.1; 512 val images)
+    row = record["results"]["cifar/speednet"]
+    assert row["target"] == best and row["ratio_to_faster_peer"] is None
+    first = next(r["seconds"] for r in run["reports"] if r["accuracy"] >= best)
+    assert row["systems"]["speedrun"]["seconds_to_target"] == [first]
+    # a folder without val/ is refused before any run, writing nothing
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_peers.py"), "--folder", f"x={tmp_path}",
+                          "--weights", f"speednet={teacher_run}", "--work", tmp_path / "w2", "--out", tmp_path / "x.json"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs train/ and val/" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "w2").exists()

@@ -39,7 +39,6 @@ from speedrun.cli import main
 from speedrun.recipe import Recipe, load_recipe, shipped_recipes
 
 from matrix import COMPILED_BY, FIELDS, MATRIX, NPZ, SPEEDNET, Entry, bar, command, step_features
-from small_data import build_once
 from test_cli import speedrun
 from test_docs import field_paths
 
@@ -55,15 +54,6 @@ TEACHER = MATRIX[0]
 the model the distillation entry distils from and the fine-tuning entries start from."""
 assert TEACHER.recipe == "cifar10-94" and TEACHER.data == "cifar_small" and TEACHER.backend is None \
     and TEACHER.precision == "fp32" and TEACHER.sets == tuple(NPZ + SPEEDNET) and not TEACHER.args
-
-
-@pytest.fixture(scope="session")
-def teacher_run(artifacts, cifar_small) -> Path:
-    """TEACHER's run folder, trained once per test session (shared by xdist's workers)."""
-    def build(out):
-        argv, env = command(TEACHER, cifar_small, out)
-        assert not env and main(argv) == 0
-    return build_once(artifacts, "matrix-teacher-run", build)
 
 
 @pytest.fixture
