@@ -220,6 +220,37 @@ def test_weights_timm_saved_load_into_its_network_for_the_data(timm_weights, arc
         assert any("resampled by timm" in n and "pos_embed" in n for n in notes)
 
 
+@pytest.mark.parametrize("arch", ["convnext_atto", "resnet18"])
+def test_weights_saved_with_a_classifier_for_other_classes_load_and_get_a_new_one(tmp_path, arch):
+    """A file of timm's network trained or fine-tuned on other data (its classifier for 7 classes, as
+    timm's train.py saves it) is that network's weights: every tensor but the classifier is loaded (for
+    resnet18 into speedrun's own ResNet, converted), and the run's model gets a classifier of its own
+    for its data's classes. A misshapen tensor outside the classifier is still refused."""
+    torch.manual_seed(0)
+    saved = timm.create_model(arch, pretrained=False, num_classes=7).state_dict()
+    path = tmp_path / f"{arch}-7.pth"
+    torch.save(saved, path)
+    pre = open_weights(f"timm:{arch}={path}")
+    assert pre.num_classes == 7 and {pre.state[k].shape[0] for k in pre.head if pre.state[k].ndim} == {7}
+    if arch == "convnext_atto":
+        assert pre.model == {"name": "timm", "arch": arch}
+        assert all(torch.equal(pre.state[k], saved[k]) for k in saved)
+        cfg = load_recipe("fashion-mnist", ["model.name=timm", f"model.arch={arch}"]).model
+        model = build_model(cfg, 3, 10)
+        notes = apply_weights(model, pre, 3, 10, None, cfg)
+        assert any("head replaced for 10 classes" in n for n in notes), notes
+        body = [k for k in saved if k not in pre.head]
+        assert all(torch.equal(model.state_dict()[k], saved[k]) for k in body)
+    else:
+        assert pre.model["name"] == "resnet" and pre.model["depth"] == 18       # speedrun's own, converted
+    bad = dict(saved)
+    key = next(k for k in saved if k.endswith("weight") and saved[k].ndim == 4 and k not in pre.head)
+    bad[key] = saved[key][:1]
+    torch.save(bad, tmp_path / "bad.pth")
+    with pytest.raises(CheckpointError, match=f"not the weights of timm's {arch}"):
+        open_weights(f"timm:{arch}={tmp_path / 'bad.pth'}")
+
+
 def _table(d: dict) -> str:
     return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + "}"
 

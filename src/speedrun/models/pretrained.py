@@ -184,6 +184,10 @@ def _from_timm(spec: str, rest: str) -> Pretrained:
     else:
         state = read_weights_file(path)
         misfit = first_misfit(net.state_dict(), state)
+        rows = _classifier_rows(net, state) if misfit else None
+        if rows is not None:                              # (a fine-tuned file: its classifier for its classes)
+            net.reset_classifier(rows)
+            misfit = first_misfit(net.state_dict(), state)
         if misfit:
             raise CheckpointError(f"{path}: not the weights of timm's {name} ({misfit})")
         net.load_state_dict(state)
@@ -194,6 +198,19 @@ def _from_timm(spec: str, rest: str) -> Pretrained:
     line = f"{_resnet_name(cfg)} (timm {name} weights{f' from {path.name}' if path else ''})"
     return _resnet(spec, cfg, converted, line, mean=seen["mean"], std=seen["std"], image_size=seen["image_size"],
                    eval_size=seen["eval_size"])
+
+
+def _classifier_rows(net: nn.Module, state: dict[str, torch.Tensor]) -> int | None:
+    """The number of classes of a file's classifier where it holds one for another number of
+    classes than timm's network (weights trained or fine-tuned on other data, as timm's own
+    training script saves them); None otherwise. The run replaces the classifier for its data's
+    classes in any case."""
+    head = classifier_names(net)
+    if not head or any(k not in state for k in head):
+        return None
+    rows = {int(state[k].shape[0]) for k in head if state[k].ndim >= 1}
+    mine = {int(t.shape[0]) for k, t in net.state_dict().items() if k in head and t.ndim >= 1}
+    return rows.pop() if len(rows) == 1 and rows != mine and min(rows) > 0 else None
 
 
 def _speedrun_builds(state: dict[str, torch.Tensor]) -> bool:
