@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         ap.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    versions, left_out = {}, {}
+    left_out = {}
     fastai_version, why = peer_python("fastai", args.fastai_python, "fastai")
     for s in ("fastai", "fastai-lr-find"):
         if s in systems and why:
