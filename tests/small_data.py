@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +42,10 @@ def build_once(root: Path, name: str, build) -> Path:
 
 
 def speedrun(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    """``python -m speedrun ARGS`` in a real process."""
-    proc = subprocess.run([sys.executable, "-m", "speedrun", *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    """``python -m speedrun ARGS`` in a real process: forked from an interpreter that has imported
+    torch where nothing read at those imports differs, else a fresh one (tests/forked.py)."""
+    import forked
+    proc = forked.run([str(a) for a in args], {**os.environ, **(env or {})}, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"speedrun {args} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
