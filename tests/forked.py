@@ -123,11 +123,12 @@ def serve(path: str):
             running[pid] = conn
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         for pid in list(running):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             if done:
                 conn = running.pop(pid)
+                reply = {"returncode": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
                 try:
-                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
                 except OSError:
                     pass
     raise SystemExit(0)
@@ -214,6 +215,9 @@ class _Server:
 
 
 _server: _Server | None = None
+cpu_seconds = 0.0
+"""CPU-seconds of the forked runs this process has waited for, with those of the processes they
+waited for: what ``getrusage(RUSAGE_CHILDREN)`` would count had each been this process's child."""
 
 
 def _get_server(env: dict) -> _Server | None:
@@ -228,6 +232,7 @@ def _get_server(env: dict) -> _Server | None:
 def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``python -m speedrun ARGS`` with ``env``, its output captured as text, as
     ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` gives it."""
+    global cpu_seconds
     argv = [sys.executable, "-m", "speedrun", *args]
     server = _get_server(env)
     if server is None:
@@ -277,6 +282,7 @@ def run(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProce
                         pid = reply.get("pid", pid)
                         if "returncode" in reply:
                             returncode = reply["returncode"]
+                            cpu_seconds += reply["cpu"]
                             sel.unregister(sock)
                 else:
                     data = os.read(key.fd, 65536)
