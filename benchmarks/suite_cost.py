@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE / "src"))
 
+from speedrun.errors import SpeedrunError  # noqa: E402
 from speedrun.files import atomic_write_json, check_output_file  # noqa: E402
 from speedrun.report.environment import machine  # noqa: E402
 
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="forked,fresh", help="comma-separated: forked, fresh (default: both)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (1: none)")
     p.add_argument("--commit", help="the commit to name in the record (default: git's)")
-    p.add_argument("tests", nargs="*", default=[], help="pytest's selection, after -- (default: the whole suite)")
+    p.add_argument("tests", nargs="*", default=[], help="pytest's selection and options, after -- (default: the whole suite)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("forked", "fresh")]
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
         p.error(f"--workers {args.workers}: must be 1 or more")
     try:
         check_output_file(args.out)
-    except Exception as err:          # (speedrun's own error: says what is wrong with the path)
-        p.error(f"--out {args.out}: {err}")
+    except SpeedrunError as err:          # (says what is wrong with the path, naming --out)
+        p.error(str(err))
     with tempfile.TemporaryDirectory(prefix="suite-cost-") as tmp:
         folder = Path(tmp)
         (folder / "suite_cost_plugin.py").write_text(PLUGIN)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
             print(f"suite_cost: {mode}: exit {r['pytest_exit_code']}, {r['tests']} tests, {r['wall_seconds']:.0f} s, "
                   f"{r['cpu_seconds']:.0f} CPU-s", flush=True)
             results.append(r)
-    record = {"benchmark": "suite_cost", **machine(args.commit), "timed": (
+    record = {"benchmark": "suite_cost", "environment": machine(args.commit), "timed": (
         "each mode's whole pytest call (wall seconds; CPU-seconds of every process it started, servers and "
         "their children included) and each test (wall; CPU of the test's process and of the processes it waited for)"),
         "selection": args.tests or ["(the whole suite)"], "workers": args.workers, "modes": results}

@@ -592,3 +592,28 @@ def test_finetune_peers_times_each_report_and_leaves_out_the_peers_it_cannot_run
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "needs train/ and val/" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "w2").exists()
+
+
+def test_suite_cost_runs_a_selection_forked_and_fresh_and_times_each_test(tmp_path):
+    """A one-test selection (the fork server's own check of which environments fork) both ways:
+    each mode's exit code, whole-call and per-test figures, and the ratio; a bad --modes or an
+    existing record is refused in one line, writing nothing."""
+    out = tmp_path / "cost.json"
+    selection = "tests/test_forked.py::test_a_run_whose_environment_could_change_the_imports_gets_a_fresh_interpreter"
+    script("suite_cost.py", "--out", out, "--workers", "1", "--", selection, f"--basetemp={tmp_path / 'inner'}", timeout=600)
+    record = json.loads(out.read_text())
+    check_environment(record)
+    assert [m["mode"] for m in record["modes"]] == ["forked", "fresh"] and record["workers"] == 1
+    for mode in record["modes"]:
+        assert mode["pytest_exit_code"] == 0 and mode["tests"] == 1 and "-p suite_cost_plugin" in mode["command"]
+        (row,) = mode["runs"]
+        assert row["test"] == selection and 0 < row["cpu_seconds"] and 0 < row["wall_seconds"] < mode["wall_seconds"]
+        assert mode["cpu_seconds"] > row["cpu_seconds"] and list(mode["cpu_seconds_by_file"]) == ["tests/test_forked.py"]
+    assert record["fresh_over_forked_cpu"] == record["modes"][1]["cpu_seconds"] / record["modes"][0]["cpu_seconds"]
+    for bad, says in ((["--modes", "forked,slow"], "each must be forked or fresh"), (["--workers", "0"], "1 or more"),
+                      ([], "already exists")):
+        target = out if not bad else tmp_path / "never.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite_cost.py"), "--out", str(target), *bad,
+                               "--", selection], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "never.json").exists() and json.loads(out.read_text()) == record
