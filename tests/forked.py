@@ -88,8 +88,9 @@ def serve(path: str):
     gc.freeze()
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".new")            # (named `path` only once it listens: the caller waits for that name)
     listener.listen(16)
+    os.rename(path + ".new", path)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     running: dict[int, socket.socket] = {}
