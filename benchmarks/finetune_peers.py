@@ -33,9 +33,11 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,22 +73,35 @@ def parse_report(system: str, line: str) -> float | None:
 
 def timed(cmd: list[str], system: str, log: Path, cwd: Path, timeout: float) -> dict:
     """Run ``cmd``, keeping its output in ``log``; each accuracy report with the seconds since the
-    process started."""
+    process started. At ``timeout`` seconds the process and the ones it started are killed, whether
+    or not it is printing (``timed_out`` in the result)."""
     t0 = time.perf_counter()
     reports = []
+    stopped = threading.Event()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        for line in proc.stdout:
-            now = time.perf_counter() - t0
-            out.write(line)
-            acc = parse_report(system, line)
-            if acc is not None:
-                reports.append({"seconds": now, "accuracy": acc})
-            if now > timeout:
-                proc.kill()
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+        def stop():
+            stopped.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        timer = threading.Timer(timeout, stop)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                now = time.perf_counter() - t0
+                out.write(line)
+                acc = parse_report(system, line)
+                if acc is not None:
+                    reports.append({"seconds": now, "accuracy": acc})
+        finally:
+            timer.cancel()
         rc = proc.wait()
-    return {"rc": rc, "wall_seconds": time.perf_counter() - t0, "reports": reports, "log": str(log)}
+    return {"rc": rc, "wall_seconds": time.perf_counter() - t0, "timed_out": stopped.is_set(), "reports": reports,
+            "log": str(log)}
 
 
 def peer_python(kind: str, python: str | None, module: str) -> tuple[str | None, str | None]:
@@ -166,10 +181,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fastai-python")
     ap.add_argument("--timm-python")
     ap.add_argument("--timm-train", help="timm's train.py, from a copy of timm's repository")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds after which a run is stopped")
+    ap.add_argument("--timeout", type=float, default=3600,
+                    help="seconds after which a run is killed, with the processes it started (timed_out in its row)")
     ap.add_argument("--work", required=True, help="folder for the runs and their logs")
     ap.add_argument("--out", required=True, help="the JSON record to write")
     args = ap.parse_args(argv)
+    if not args.timeout > 0:
+        ap.error(f"--timeout {args.timeout:g}: seconds above 0")
     try:
         check_output_file(args.out)
     except SpeedrunError as err:                    # (a record that exists, a folder that cannot hold it)

@@ -562,7 +562,7 @@ def test_finetune_peers_times_each_report_and_leaves_out_the_peers_it_cannot_run
     net trained on 1,024 CIFAR-10 images) fine-tuned for 2 epochs on the 512-image JPEG folder, each
     epoch's val/ accuracy timed as its line arrives; fastai asked of an interpreter without it and
     timm's train.py not given, so both are left out, saying why. The target defaults to the highest
-    accuracy every run reached."""
+    accuracy every run reached. A run past --timeout is killed."""
     out = tmp_path / "peers.json"
     script("finetune_peers.py", "--folder", f"cifar={jpeg32}", "--weights", f"speednet={teacher_run}",
            "--seeds", 1, "--epochs", 2, "--image-size", 32, "--batch-size", 64, "--speedrun-set", "eval.tta=none",
@@ -586,6 +586,14 @@ def test_finetune_peers_times_each_report_and_leaves_out_the_peers_it_cannot_run
     assert row["target"] == best and row["ratio_to_faster_peer"] is None
     first = next(r["seconds"] for r in run["reports"] if r["accuracy"] >= best)
     assert row["systems"]["speedrun"]["seconds_to_target"] == [first]
+    # a run past --timeout is killed, printing or not (here still importing), and kept in the record as such
+    cut = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_peers.py"), "--folder", f"cifar={jpeg32}",
+                          "--weights", f"speednet={teacher_run}", "--seeds", "1", "--epochs", "2", "--timeout", "1",
+                          "--systems", "speedrun", "--work", str(tmp_path / "cut"), "--out", str(tmp_path / "cut.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 1, cut.stderr
+    (run,) = json.loads((tmp_path / "cut.json").read_text())["runs"]
+    assert run["timed_out"] and run["rc"] == -9 and run["reports"] == [] and run["wall_seconds"] >= 1
     # a folder without val/ is refused before any run, writing nothing
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_peers.py"), "--folder", f"x={tmp_path}",
                           "--weights", f"speednet={teacher_run}", "--work", tmp_path / "w2", "--out", tmp_path / "x.json"],
