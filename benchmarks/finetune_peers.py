@@ -17,7 +17,10 @@ Every system trains on ``train/`` of each ``--folder`` and reports its accuracy 
 every epoch; the time of a report is when its line reached this script. A run's
 ``seconds_to_target`` is the time of its first report at or above the target; the target is
 ``--target``, else the highest accuracy every run of every system reached (the lowest of the runs'
-best reports). Each folder, architecture and seed runs every system in turn, so that drift in the
+best reports). Per folder and architecture the record holds speedrun's mean over the faster peer's
+and Welch's one-sided t-tests of speedrun's mean time against the faster peer's, and against half
+of it (``--from-record OLD`` works these out again from an earlier record's runs, running
+nothing). Each folder, architecture and seed runs every system in turn, so that drift in the
 machine hits all alike. A peer that is not given, or whose interpreter lacks its package, is left
 out and the record says why.
 
@@ -161,15 +164,56 @@ def summarise(runs: list[dict], systems: list[str], target: float | None) -> dic
         peers = [m for s, m in means.items() if s != "speedrun" and m is not None]
         row["faster_peer_mean_seconds"] = min(peers) if peers else None
         row["ratio_to_faster_peer"] = (means.get("speedrun") / min(peers)) if peers and means.get("speedrun") else None
+        faster = min((s for s, m in means.items() if s != "speedrun" and m is not None), key=means.get, default=None)
+        if faster and means.get("speedrun"):
+            row["one_sided_tests"] = one_sided_tests(row["systems"]["speedrun"]["seconds_to_target"],
+                                                     row["systems"][faster]["seconds_to_target"], faster)
         out[f"{key[0]}/{key[1]}"] = row
     return out
 
 
+GOAL = 0.5
+"""speedrun's mean time to the target over the faster peer's that the comparison is to reach."""
+
+
+def one_sided_tests(mine: list[float], peer: list[float], name: str) -> dict:
+    """Welch's one-sided t-tests (unequal variances) of speedrun's mean time to the target against
+    the faster peer's: below it, and below GOAL times it. A p-value under 0.05 is evidence for that
+    claim; a larger one is not evidence against it (3 runs a side can show little)."""
+    from scipy import stats
+    out = {"faster_peer": name, "method": "Welch's t-test, one-sided (H1: speedrun's mean time is below the bound)",
+           "runs": [len(mine), len(peer)]}
+    for label, factor in (("below_peer", 1.0), (f"below_{GOAL:g}_of_peer", GOAL)):
+        bound = [factor * t for t in peer]
+        if len(mine) < 2 or len(peer) < 2:
+            out[label] = {"bound_mean_seconds": statistics.mean(bound), "p": None}
+            continue
+        res = stats.ttest_ind(mine, bound, equal_var=False, alternative="less")
+        out[label] = {"bound_mean_seconds": statistics.mean(bound), "t": float(res.statistic), "p": float(res.pvalue)}
+    return out
+
+
+def summarised_again(args, ap) -> int:
+    """--from-record: the results of an earlier record's runs worked out by this script's code, into --out."""
+    try:
+        old = json.loads(Path(args.from_record).read_text())
+        runs, systems = old["runs"], old["systems"]
+    except (OSError, ValueError, KeyError) as err:
+        ap.error(f"--from-record {args.from_record}: not a finetune_peers record ({err})")
+    record = {**old, "results": summarise(runs, systems, args.target), "summarised_from": str(args.from_record),
+              "summarised_by": machine()["git_commit"]}
+    atomic_write_json(args.out, record)
+    for key, row in record["results"].items():
+        print(f"{key}: target {row['target']}, ratio to the faster peer {row['ratio_to_faster_peer']}, "
+              f"one-sided tests {json.dumps(row.get('one_sided_tests'))}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--folder", action="append", required=True, help="NAME=DIR with train/ and val/ (repeatable)")
-    ap.add_argument("--weights", action="append", required=True,
-                    help="ARCH=FILE: timm's ARCH's weights (a state dict), or ARCH=RUN, a speedrun run (repeatable)")
+    ap.add_argument("--folder", action="append", help="NAME=DIR with train/ and val/ (repeatable; required)")
+    ap.add_argument("--weights", action="append",
+                    help="ARCH=FILE: timm's ARCH's weights (a state dict), or ARCH=RUN, a speedrun run (repeatable; required)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=5, help="epochs every system trains")
@@ -183,8 +227,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timm-train", help="timm's train.py, from a copy of timm's repository")
     ap.add_argument("--timeout", type=float, default=3600,
                     help="seconds after which a run is killed, with the processes it started (timed_out in its row)")
-    ap.add_argument("--work", required=True, help="folder for the runs and their logs")
+    ap.add_argument("--work", help="folder for the runs and their logs (required)")
     ap.add_argument("--out", required=True, help="the JSON record to write")
+    ap.add_argument("--from-record", metavar="RECORD",
+                    help="run nothing: work out RECORD's results again (target, ratio, one-sided tests) into --out")
     args = ap.parse_args(argv)
     if not args.timeout > 0:
         ap.error(f"--timeout {args.timeout:g}: seconds above 0")
@@ -192,6 +238,11 @@ def main(argv=None) -> int:
         check_output_file(args.out)
     except SpeedrunError as err:                    # (a record that exists, a folder that cannot hold it)
         ap.error(str(err))
+    if args.from_record:
+        return summarised_again(args, ap)
+    missing = [f"--{name}" for name in ("folder", "weights", "work") if not getattr(args, name)]
+    if missing:
+        ap.error(f"{', '.join(missing)} required (or --from-record)")
     folders = dict(f.split("=", 1) for f in args.folder if "=" in f)
     weights = dict(w.split("=", 1) for w in args.weights if "=" in w)
     if len(folders) != len(args.folder) or len(weights) != len(args.weights):

@@ -625,3 +625,31 @@ def test_suite_cost_runs_a_selection_forked_and_fresh_and_times_each_test(tmp_pa
                                "--", selection], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "never.json").exists() and json.loads(out.read_text()) == record
+
+
+def test_finetune_peers_works_a_records_results_out_again_with_one_sided_tests(tmp_path):
+    """--from-record on the committed Zen 3 record (3 seeds of speedrun, timm's train.py and fastai):
+    the same target and ratio as the record, and Welch's one-sided tests of speedrun's times against
+    the faster peer's and half of them, as scipy works them out from the runs; a file that is no
+    such record is refused in one line, writing nothing."""
+    from scipy import stats
+    old_path = ROOT / "benchmarks" / "results" / "finetune-peers-cifar5-resnet18-amd-epyc-25-1-daaa791.json"
+    old = json.loads(old_path.read_text())
+    out = tmp_path / "again.json"
+    script("finetune_peers.py", "--from-record", old_path, "--out", out)
+    new = json.loads(out.read_text())
+    (key,) = new["results"]
+    row, was = new["results"][key], old["results"][key]
+    assert row["target"] == was["target"] and row["ratio_to_faster_peer"] == pytest.approx(was["ratio_to_faster_peer"])
+    assert new["runs"] == old["runs"] and new["summarised_from"] == str(old_path)
+    tests = row["one_sided_tests"]
+    mine, timm = row["systems"]["speedrun"]["seconds_to_target"], row["systems"]["timm"]["seconds_to_target"]
+    assert tests["faster_peer"] == "timm" and tests["runs"] == [3, 3]
+    for label, factor in (("below_peer", 1.0), ("below_0.5_of_peer", 0.5)):
+        want = stats.ttest_ind(mine, [factor * t for t in timm], equal_var=False, alternative="less").pvalue
+        assert tests[label]["p"] == pytest.approx(want)
+    assert tests["below_peer"]["p"] < 0.05 < tests["below_0.5_of_peer"]["p"]       # faster, not yet twice as fast
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_peers.py"), "--from-record",
+                          str(ROOT / "README.md"), "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a finetune_peers record" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x.json").exists()
