@@ -17,8 +17,9 @@ Every system trains on ``train/`` of each ``--folder`` and reports its accuracy 
 every epoch; the time of a report is when its line reached this script. A run's
 ``seconds_to_target`` is the time of its first report at or above the target; the target is
 ``--target``, else the highest accuracy every run of every system reached (the lowest of the runs'
-best reports). Per folder and architecture the record holds speedrun's mean over the faster peer's
-and Welch's one-sided t-tests of speedrun's mean time against the faster peer's, and against half
+best reports). Per folder and architecture the record holds speedrun's mean over the faster peer's,
+the accuracy each run had reached when speedrun's runs had ended, on average (the accuracy in the
+same time), and Welch's one-sided t-tests of speedrun's mean time against the faster peer's, and against half
 of it (``--from-record OLD`` works these out again from an earlier record's runs, running
 nothing). Each folder, architecture and seed runs every system in turn, so that drift in the
 machine hits all alike. A peer that is not given, or whose interpreter lacks its package, is left
@@ -145,9 +146,15 @@ def seconds_to(run: dict, target: float) -> float | None:
     return next((r["seconds"] for r in run["reports"] if r["accuracy"] >= target), None)
 
 
+def accuracy_by(run: dict, seconds: float) -> float | None:
+    """The best accuracy ``run`` reported within ``seconds`` of its start; None if it reported none by then."""
+    return max((r["accuracy"] for r in run["reports"] if r["seconds"] <= seconds), default=None)
+
+
 def summarise(runs: list[dict], systems: list[str], target: float | None) -> dict:
-    """Per folder and architecture: the target, each system's seconds_to_target (every run) and
-    speedrun's mean over the faster peer's mean."""
+    """Per folder and architecture: the target, each system's seconds_to_target (every run),
+    speedrun's mean over the faster peer's mean, and the accuracy each run reached by the time
+    speedrun's runs made their last report, on average (accuracy_by_speedruns_time)."""
     out = {}
     for key in sorted({(r["folder"], r["arch"]) for r in runs}):
         group = [r for r in runs if (r["folder"], r["arch"]) == key and r["rc"] == 0]
@@ -160,6 +167,12 @@ def summarise(runs: list[dict], systems: list[str], target: float | None) -> dic
             row["systems"][s] = {"seconds_to_target": times, "best_accuracy": [best(r) for r in mine],
                                  "wall_seconds": [r["wall_seconds"] for r in mine],
                                  "mean_seconds_to_target": statistics.mean(times) if times and None not in times else None}
+        budget = [r["reports"][-1]["seconds"] for r in group if r["system"] == "speedrun" and r["reports"]]
+        if budget:                                  # the accuracy each system reached in speedrun's time
+            row["speedrun_mean_seconds_to_last_report"] = statistics.mean(budget)
+            for s in systems:
+                row["systems"][s]["accuracy_by_speedruns_time"] = [
+                    accuracy_by(r, row["speedrun_mean_seconds_to_last_report"]) for r in group if r["system"] == s]
         means = {s: v["mean_seconds_to_target"] for s, v in row["systems"].items()}
         peers = [m for s, m in means.items() if s != "speedrun" and m is not None]
         row["faster_peer_mean_seconds"] = min(peers) if peers else None

@@ -649,6 +649,14 @@ def test_finetune_peers_works_a_records_results_out_again_with_one_sided_tests(t
         want = stats.ttest_ind(mine, [factor * t for t in timm], equal_var=False, alternative="less").pvalue
         assert tests[label]["p"] == pytest.approx(want)
     assert tests["below_peer"]["p"] < 0.05 < tests["below_0.5_of_peer"]["p"]       # faster, not yet twice as fast
+    # the accuracy each run reached in speedrun's time: by the mean of speedrun's runs' last reports (181.3 s
+    # of 173.1-192.0), speedrun's fourth epoch in seed 0 and its last in the others, timm's third epochs
+    # and fastai's third
+    budget = row["speedrun_mean_seconds_to_last_report"]
+    assert budget == pytest.approx(sum(r["reports"][-1]["seconds"] for r in old["runs"] if r["system"] == "speedrun") / 3)
+    got = {s: v["accuracy_by_speedruns_time"] for s, v in row["systems"].items()}
+    assert got["speedrun"] == [0.8128, 0.8372, 0.8224]
+    assert got["timm"] == pytest.approx([0.7626, 0.8034, 0.7924]) and got["fastai"] == pytest.approx([0.721, 0.725, 0.7246])
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_peers.py"), "--from-record",
                           str(ROOT / "README.md"), "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a finetune_peers record" in bad.stderr and "Traceback" not in bad.stderr
