@@ -164,9 +164,10 @@ def test_the_folder_recipe_fine_tunes_given_weights_and_the_run_is_used_as_any_o
     run's accuracy, `speedrun predict` classifies its images and `speedrun export` writes a
     TorchScript model checked against it, as for any run."""
     out = tmp_path / "tuned"
-    proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--init", pretrained,
+    proc = speedrun("train", "folder", "--data-dir", fashion_jpeg, "--init", pretrained, "--set", "data.image_size=28",
                     "--set", "train.epochs=1", "--set", "data.workers=1", "--device", "cpu", "--out", out)
     assert "from the data: fine-tuning speedrun run" in proc.stdout
+    assert "at 28 px as set (data.image_size)" in proc.stdout            # (the size given, not the weights')
     assert "inputs normalised as the weights were trained" in proc.stdout
     config = load_recipe(str(out / "config.toml"))
     assert config.model.widths == [16, 32, 32] and config.model.init == str(pretrained)

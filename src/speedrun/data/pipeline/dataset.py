@@ -81,6 +81,18 @@ class FolderSource:
         return None if self.holdout is None else self.holdout.labels
 
 
+def size_as_set(user: list[str] | None) -> int | None:
+    """The training size a ``--set data.image_size=N`` among ``user`` gives (the last one), or None."""
+    for item in reversed(user or []):
+        key, _, value = item.partition("=")
+        if key.strip() == "data.image_size":
+            try:
+                return int(value.strip()) or None
+            except ValueError:                      # (refused, naming the field, where the recipe is built)
+                return None
+    return None
+
+
 def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
                       user: list[str] | None = None, start: dict | None = None) -> tuple[Recipe, list[str]]:
     """Fill the recipe's data-dependent values: with ``data.auto_choices`` (the ``folder``
@@ -96,7 +108,7 @@ def resolve_from_data(recipe: Recipe, info: dict, n_train: int, n_classes: int,
         return recipe, []
     if d.auto_choices:
         c = choose(median, n_train, n_classes, d.batch_size) if start is None else \
-            choose_finetune(start, median, n_train, n_classes)
+            choose_finetune(start, median, n_train, n_classes, size_as_set(user))
         raw = recipe.to_dict()
         for k, section in c.sections.items():
             if section is None:

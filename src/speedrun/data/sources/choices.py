@@ -134,12 +134,14 @@ def your_network(reason: str, name: str) -> str:
     return reason
 
 
-def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int) -> Choices:
+def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int,
+                    size_as_set: int | None = None) -> Choices:
     """The folder recipe's choices for weights to start from (``start``: their [model] section
     as ``model``, the sides they were trained and evaluated at as ``image_size`` and
     ``eval_size`` where known, a line naming them as ``description``): the data's own choices
     of augmentation and evaluation (:func:`choose`), the network of the weights, the
-    fine-tuning recipe's optimizer, schedule, training and batch, and the weights' sizes."""
+    fine-tuning recipe's optimizer, schedule, training and batch, and the weights' sizes.
+    ``size_as_set``: the training size the user set (``data.image_size``), which the line then names."""
     preset = shipped(FINETUNE_RECIPE)
     c = choose(median_side, n_train, n_classes, preset["data"]["batch_size"])   # (photos: the photo recipe's)
     if median_side < PHOTO_SIDE and "data.batch_size" not in c.values:
@@ -161,7 +163,8 @@ def choose_finetune(start: dict, median_side: int, n_train: int, n_classes: int)
     crop = start.get("eval_crop")
     if crop and median_side >= PHOTO_SIDE:          # (small images are evaluated whole)
         c.values["data.eval_crop"] = crop
-    sizes = (f"at {trained} px, as the weights were trained" if trained else "at the data's size") + (
+    sizes = (f"at {size_as_set} px as set (data.image_size)" if size_as_set else
+             f"at {trained} px, as the weights were trained" if trained else "at the data's size") + (
         f", evaluated on centre crops of {crop:g} of the images as they were" if crop and median_side >= PHOTO_SIDE
         else "")
     c.reasons.insert(0, f"fine-tuning {start['description']} {sizes} (the {FINETUNE_RECIPE} recipe's schedule: "
