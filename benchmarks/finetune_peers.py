@@ -108,6 +108,20 @@ def timed(cmd: list[str], system: str, log: Path, cwd: Path, timeout: float) -> 
             "log": str(log)}
 
 
+SPEEDRUN_TIMES = ("start_up_seconds", "train_seconds", "monitor_seconds", "final_eval_seconds", "compile_seconds",
+                  "wall_seconds", "test_acc", "epochs")
+
+
+def speedrun_times(out: Path) -> dict | None:
+    """A speedrun run's own split of its time (start-up: process start to the training clock), from
+    its summary.json; None where the run wrote none."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: summary.get(k) for k in SPEEDRUN_TIMES}
+
+
 def peer_python(kind: str, python: str | None, module: str) -> tuple[str | None, str | None]:
     """(its version, None) where ``python`` imports ``module``; else (None, why it is left out)."""
     if not python:
@@ -299,6 +313,8 @@ def main(argv=None) -> int:
                     cmd = command(s, args, Path(fdir).resolve(), arch, str(Path(w).resolve()), seed, out)
                     run = {"system": s, "folder": fname, "arch": arch, "seed": seed, "command": cmd,
                            **timed(cmd, s, work / f"{out.name}.log", work, args.timeout)}
+                    if s == "speedrun":                 # where its time went, from its own summary
+                        run["speedrun_summary"] = speedrun_times(out)
                     runs.append(run)
                     print(f"{fname} {arch} {s} seed {seed}: exit {run['rc']}, best {best(run):.4f}, "
                           f"{run['wall_seconds']:.1f} s", flush=True)

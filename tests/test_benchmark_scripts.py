@@ -580,6 +580,9 @@ def test_finetune_peers_times_each_report_and_leaves_out_the_peers_it_cannot_run
     assert len(times) == 2 and 0 < times[0] < times[1] < run["wall_seconds"]
     summary = json.loads((tmp_path / "work" / "cifar-speednet-speedrun-seed0" / "summary.json").read_text())
     assert run["reports"][-1]["accuracy"] == pytest.approx(summary["test_acc_no_tta"], abs=1e-4)
+    split = run["speedrun_summary"]                             # the run's own split of its time, kept
+    assert split["start_up_seconds"] == summary["start_up_seconds"] and 0 < split["start_up_seconds"] < times[0]
+    assert split["epochs"] == 2 and split["train_seconds"] > 0
     best = max(r["accuracy"] for r in run["reports"])
     assert best > 0.2                                           # learned (chance: 0.1; 512 val images)
     row = record["results"]["cifar/speednet"]
