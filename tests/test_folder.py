@@ -141,6 +141,29 @@ def test_the_decoding_and_writing_workers_are_not_forked_from_this_process():
         assert len(os.listdir(f"/proc/{server}/task")) == 1      # the fork server has one thread
 
 
+def test_a_run_from_weights_starts_the_workers_server_before_opening_them(jpeg_dir):
+    """Where a folder may be streamed and weights are to be opened, the decoding workers' fork
+    server starts first (its start overlaps the weights' opening); a folder decoded into a cache
+    (data.cache=on) or read without workers starts none. Each case in a fresh process, whose
+    children are then counted."""
+    probe = ("import os, sys, time\n"
+             "from speedrun.recipe import load_recipe\n"
+             "from speedrun.data.pipeline.dataset import start_workers_early\n"
+             "start_workers_early(load_recipe('folder', sys.argv[1:]))\n"
+             "time.sleep(0.5)\n"
+             "kids = [t for t in os.listdir('/proc') if t.isdigit() and "
+             "open(f'/proc/{t}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]\n"
+             "print(len(kids))\n")
+    def children(*sets):
+        proc = subprocess.run([sys.executable, "-c", probe, f"data.path={jpeg_dir}", *sets], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout.split()[-1])
+    assert children("data.workers=1") == 2          # the fork server and multiprocessing's resource tracker
+    assert children("data.workers=1", "data.cache=on") == 0
+    assert children("data.workers=0") == 0
+
+
 def test_the_streamed_loaders_workers_are_not_forked_from_the_training_process(jpeg_dir):
     # a data-parallel run has gloo's threads running when its loaders start their workers; a fork
     # could copy a lock one of them holds into a worker that then waits forever (one such run

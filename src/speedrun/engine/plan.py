@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..data.pipeline.dataset import open_source
+from ..data.pipeline.dataset import open_source, start_workers_early
 from ..data.sources.holdout import holdout_images
 from ..models.custom import recorded
 from ..models.network_check import check_network, network_line
@@ -146,6 +146,8 @@ def plan_run(recipe: Recipe, data_dir, device: torch.device, say: Callable[[str]
     Newton-Schulz precision). ``fit_batch=False`` leaves the batch as the recipe has it (for
     callers that fit it themselves)."""
     t0 = time.perf_counter()
+    if init_is_weights(recipe.model.init):
+        start_workers_early(recipe)                 # (its start overlaps the weights' opening)
     recipe, source = open_source(recipe, data_dir, say, start_of(recipe))
     recipe, started = settle_model(recipe)
     recipe, network = checked_network(recipe, source)

@@ -156,6 +156,17 @@ def resolve_batch(recipe: Recipe) -> Recipe:
     return recipe.with_values({"data.batch_size": per * device_count(), "data.per_device_batch": 0})
 
 
+def start_workers_early(recipe: Recipe) -> None:
+    """Start the decoding workers' fork server now, before the weights a folder run starts from
+    are opened, where the folder may be streamed: the server's own start (a fresh interpreter
+    importing torch, numpy and Pillow, seconds on a small CPU) then runs beside the opening of the
+    weights (timm's import alone takes seconds) instead of after it. Where the folder turns out
+    to be decoded once into a cache, the server serves nothing and ends with the process."""
+    d = recipe.data
+    if d.dataset == "folder" and d.cache != "on" and default_workers(d.workers) > 0:
+        start_worker_server()
+
+
 def open_source(recipe: Recipe, data_dir=None, say=None, start: dict | None = None
                 ) -> tuple[Recipe, ArrayDataset | FolderSource]:
     """(the recipe with data-derived values filled in, the dataset). The dataset's
