@@ -500,12 +500,16 @@ def bench(d: dict, rec: Record):
 def gpu_record(d: dict, rec: Record):
     """`benchmarks/gpu_record.py`: a row per system (real data) or variant (random data), and per pair."""
     out, synthetic = [], d.get("mode") == "synthetic"
+    jobs = d.get("jobs") if is_num(d.get("jobs")) else 1
+    # a warm-up call (--jobs K): K processes shared the machine's CPU, so its times are not comparable
+    side_by_side = (f", {jobs} processes side by side: a compile warm-up, its times not comparable with "
+                    "a process run alone" if synthetic and jobs > 1 else "")
     for s in d["variants"] if synthetic else d["systems"]:
         runs, speedrun = s.get("runs") or [], synthetic or s.get("kind") == "speedrun"
         label = (f"`{d.get('recipe')}` variant {s.get('variant')}" if synthetic
                  else f"`speedrun bench {s.get('recipe')}`" if speedrun else f"`{s.get('system')}`")
         label += (" " + ", ".join(s["overrides"]) if speedrun and s.get("overrides") else "") + \
-            ("; random data" if synthetic else "") + ("" if s.get("ok", True) else " (did not finish)")
+            ("; random data" + side_by_side if synthetic else "") + ("" if s.get("ok", True) else " (did not finish)")
         out.append(("gpu_systems", [cell(label), runs_cell(len(runs), [r.get("seed") for r in runs]),
                                     DASH if synthetic else acc_spread([r.get("test_acc") for r in runs]),
                                     spread([r.get("seconds") for r in runs], sd=True),

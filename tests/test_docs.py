@@ -215,3 +215,20 @@ def test_links_between_the_docs_reach_a_file_and_a_heading():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_results_page_marks_a_warm_up_calls_side_by_side_times_as_not_comparable(tmp_path):
+    """A --synthetic gpu_record.py call with --jobs K ran K processes on one machine's CPU (a lending's
+    compile warm-up): each of its rows says so, and a call of one process at a time says nothing of it."""
+    import json
+    record = ROOT / "benchmarks" / "results" / "gpu-h200-2026-12-04-f0da464" / "call1-gpu-record-synthetic.json"
+    data = json.loads(record.read_text())
+    assert data["mode"] == "synthetic" and data["jobs"] == 5 and len(data["variants"]) == 8
+    (tmp_path / "warm-up.json").write_text(json.dumps(data))
+    (tmp_path / "alone.json").write_text(json.dumps({**data, "jobs": 1}))
+    page = _results_page().render(tmp_path)
+    rows = {name: [line for line in page.splitlines() if line.startswith(f"| `{name}.json` |")]
+            for name in ("warm-up", "alone")}
+    assert len(rows["warm-up"]) == len(rows["alone"]) == 8
+    says = "5 processes side by side: a compile warm-up, its times not comparable"
+    assert all(says in line for line in rows["warm-up"]) and not any("side by side" in line for line in rows["alone"])
